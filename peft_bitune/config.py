@@ -1,0 +1,134 @@
+"""`BituneConfig`: which PEFT method builds the two weight sets, and how their KV caches are mixed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from peft import LoraConfig, PeftConfig
+from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
+from peft.utils import PeftType, TaskType
+
+from .registration import BITUNE_TYPE_NAME
+
+SECOND_PASS_ATTENTIONS = ("bidirectional", "causal")
+
+# PEFT methods that cannot hold the two weight sets side by side in one model, with the reason a user needs.
+_REFUSED_METHODS = {
+    "ADALORA": "AdaLoRA supports only one trainable adapter per model, and Bitune trains two",
+    "XLORA": "X-LoRA is itself a mixture of frozen LoRA experts, not a method that trains one weight set",
+    BITUNE_TYPE_NAME: "a Bitune adapter cannot be nested inside another one",
+}
+
+
+def default_adapter_config() -> LoraConfig:
+    """The paper's default weight sets: LoRA r=8, alpha=16 on every linear layer."""
+    return LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type=TaskType.CAUSAL_LM)
+
+
+@dataclass
+class BituneConfig(PeftConfig):
+    """
+    Configuration of a Bitune adapter: two sets of weights of one PEFT method (causal and bidirectional), and the
+    per-layer scalars that mix the key/value caches of the two prompt passes (Bitune, Kopiczko et al., 2025).
+
+    Args:
+        adapter_config (`PeftConfig` or `dict`, *optional*):
+            The PEFT method used for both weight sets, e.g. `LoraConfig(r=8, ...)`, `LoraConfig(use_dora=True)` or
+            `IA3Config(...)`. Both sets use the same method and hyper-parameters and are initialised independently.
+            Defaults to LoRA r=8, alpha=16 on all linear layers.
+        mix_init (`float`, defaults to `0.01`):
+            Initial value of every mixing scalar `w`. With the default `mix_scale`, alpha starts at 0.5.
+        mix_scale (`float`, defaults to `0.01`):
+            The constant `s` in `alpha = |w| / (|w| + s)`; must be positive.
+        shared_weights (`bool`, defaults to `False`):
+            Ablation: one weight set serves both prompt passes (the causal one); no bidirectional set is created.
+        second_pass_attention (`str`, defaults to `"bidirectional"`):
+            Ablation: `"causal"` reads the prompt a second time with the causal mask instead of the bidirectional one.
+        train_mixing (`bool`, defaults to `True`):
+            Ablation: `False` freezes the mixing scalars at `mix_init` (a fixed mixing ratio).
+
+    Example:
+
+    ```py
+    >>> from peft import LoraConfig, get_peft_model
+    >>> from peft_bitune import BituneConfig
+    >>> config = BituneConfig(task_type="CAUSAL_LM", adapter_config=LoraConfig(r=8, target_modules="all-linear"))
+    >>> model = get_peft_model(base_model, config)  # doctest: +SKIP
+    ```
+    """
+
+    adapter_config: PeftConfig | dict | None = field(
+        default=None,
+        metadata={"help": "The PEFT method used for both weight sets. Defaults to LoRA r=8, alpha=16, all linear layers."},
+    )
+    mix_init: float = field(default=0.01, metadata={"help": "Initial value of every mixing scalar `w`."})
+    mix_scale: float = field(default=0.01, metadata={"help": "The constant `s` in alpha = |w| / (|w| + s)."})
+    shared_weights: bool = field(
+        default=False, metadata={"help": "Ablation: one weight set (the causal one) serves both prompt passes."}
+    )
+    second_pass_attention: Literal["bidirectional", "causal"] = field(
+        default="bidirectional",
+        metadata={"help": "Mask of the second prompt pass; 'causal' is the paper's ablation.", "choices": list(SECOND_PASS_ATTENTIONS)},
+    )
+    train_mixing: bool = field(default=True, metadata={"help": "Ablation: False freezes the mixing scalars."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.peft_type = PeftType[BITUNE_TYPE_NAME]
+        if self.task_type is None:
+            self.task_type = TaskType.CAUSAL_LM
+        if self.task_type != TaskType.CAUSAL_LM:
+            raise ValueError(
+                f"Bitune tunes decoder-only language models: `task_type` must be 'CAUSAL_LM', got '{self.task_type}'."
+            )
+        self.adapter_config = self._build_adapter_config(self.adapter_config)
+        self.adapter_config.task_type = self.task_type
+        if not self.mix_scale > 0:
+            raise ValueError(f"`mix_scale` must be positive, got {self.mix_scale}.")
+        if self.mix_init < 0:
+            raise ValueError(f"`mix_init` must be non-negative (alpha uses |w|), got {self.mix_init}.")
+        if self.second_pass_attention not in SECOND_PASS_ATTENTIONS:
+            raise ValueError(
+                f"`second_pass_attention` must be one of {SECOND_PASS_ATTENTIONS}, got {self.second_pass_attention!r}."
+            )
+
+    @staticmethod
+    def _build_adapter_config(adapter_config: PeftConfig | dict | None) -> PeftConfig:
+        if adapter_config is None:
+            return default_adapter_config()
+        if isinstance(adapter_config, dict):
+            peft_type = adapter_config.get("peft_type")
+            if peft_type not in PEFT_TYPE_TO_CONFIG_MAPPING:
+                raise ValueError(
+                    f"`adapter_config` must name a known PEFT method in its 'peft_type', got {peft_type!r}."
+                )
+            adapter_config = PEFT_TYPE_TO_CONFIG_MAPPING[peft_type](**adapter_config)
+        if not isinstance(adapter_config, PeftConfig):
+            raise TypeError(
+                f"`adapter_config` must be a PEFT config such as `LoraConfig(...)`, got {type(adapter_config).__name__}."
+            )
+        peft_type = str(adapter_config.peft_type.value if hasattr(adapter_config.peft_type, "value") else adapter_config.peft_type)
+        if adapter_config.is_prompt_learning or adapter_config.is_adaption_prompt:
+            raise ValueError(
+                f"`adapter_config` of type {peft_type} is a prompt-learning method: it adds virtual tokens instead of "
+                "weights on the layers, so it cannot give the two prompt passes different weights. Use a method that "
+                "adapts layers, e.g. LoRA, DoRA (`LoraConfig(use_dora=True)`) or IA3."
+            )
+        if peft_type in _REFUSED_METHODS:
+            raise ValueError(
+                f"`adapter_config` of type {peft_type} cannot be used: {_REFUSED_METHODS[peft_type]}. Use LoRA, DoRA "
+                "(`LoraConfig(use_dora=True)`) or IA3."
+            )
+        if adapter_config.peft_type not in PEFT_TYPE_TO_TUNER_MAPPING:
+            raise ValueError(f"`adapter_config` of type {peft_type} has no tuner registered in PEFT.")
+        return adapter_config
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as JSON-ready data, with the inner method's config nested as its own dict."""
+        data = super().to_dict()
+        data["adapter_config"] = self.adapter_config.to_dict()
+        for key, value in data["adapter_config"].items():
+            if isinstance(value, set):
+                data["adapter_config"][key] = sorted(value)
+        return data

@@ -1,0 +1,548 @@
+"""`BituneModel`: the PEFT tuner that reads the prompt twice, mixes the two caches and trains on the answer."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any, Literal
+
+import torch
+from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from torch import nn
+from torch.nn import functional as F
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .caches import mix_into_dynamic_cache, mix_recorded, prefix_cache, recording_cache
+from .config import BituneConfig
+from .layout import IGNORE_INDEX, PromptAnswerLayout
+from .mixing import BituneKVMixer
+from .registration import BITUNE_PREFIX
+
+WeightSet = Literal["causal", "bidirectional"]
+CAUSAL: WeightSet = "causal"
+BIDIRECTIONAL: WeightSet = "bidirectional"
+# Inner adapter names are "<bitune adapter>__<weight set>"; the separator cannot appear in a weight set name.
+_INNER_SEPARATOR = "__"
+
+
+def inner_adapter_name(adapter_name: str, weight_set: WeightSet) -> str:
+    """Name, inside the inner PEFT method, of one weight set of the Bitune adapter `adapter_name`."""
+    return f"{adapter_name}{_INNER_SEPARATOR}{weight_set}"
+
+
+class BituneModel(BaseTuner):
+    """
+    Bitune (bidirectional instruction tuning) on top of any PEFT method that supports several adapters.
+
+    The inner method (LoRA by default) holds two weight sets per Bitune adapter, `"<name>__causal"` and
+    `"<name>__bidirectional"`; the tuner itself holds the per-layer mixing scalars. A training forward:
+
+    1. reads the instruction minus its last token with the bidirectional weights and a bidirectional mask,
+    2. reads the same tokens with the causal weights and the causal mask,
+    3. mixes the two key/value caches per layer (`BituneKVMixer`),
+    4. runs the last instruction token and the answer causally, with the causal weights, over the mixed cache.
+
+    Passes are routed to their weights through the layers' active adapter, inside a context manager that restores it;
+    `requires_grad` is never touched there, so both weight sets always train.
+
+    Args:
+        model (`transformers.PreTrainedModel`): a decoder-only causal LM with a KV cache.
+        config (`BituneConfig` or `dict[str, BituneConfig]`): the adapter configuration.
+        adapter_name (`str`): name of the Bitune adapter, `"default"` by default.
+    """
+
+    prefix: str = BITUNE_PREFIX
+    tuner_layer_cls = BaseTunerLayer
+    target_module_mapping: dict[str, list[str]] = {}
+
+    # ------------------------------------------------------------------ construction
+    def inject_adapter(
+        self,
+        model: nn.Module,
+        adapter_name: str,
+        autocast_adapter_dtype: bool = True,
+        low_cpu_mem_usage: bool = False,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Create the weight sets of `adapter_name` in the inner PEFT method, and its mixing scalars."""
+        config: BituneConfig = self.peft_config[adapter_name]
+        if not isinstance(config, BituneConfig):
+            raise TypeError(f"BituneModel holds only Bitune adapters; `{adapter_name}` has a {type(config).__name__}.")
+        _check_model_supported(model)
+        if _INNER_SEPARATOR in adapter_name:
+            raise ValueError(f"Bitune adapter names cannot contain '{_INNER_SEPARATOR}', got `{adapter_name}`.")
+        inner = self.__dict__.get("_inner_tuner")
+        if inner is not None and type(inner) is not PEFT_TYPE_TO_TUNER_MAPPING[config.adapter_config.peft_type]:
+            raise ValueError(
+                f"All Bitune adapters of one model must use the same PEFT method; this model uses "
+                f"{type(inner).__name__}, and `{adapter_name}` asks for {config.adapter_config.peft_type}."
+            )
+        for weight_set in self._weight_sets(config):
+            name = inner_adapter_name(adapter_name, weight_set)
+            inner_config = copy.deepcopy(config.adapter_config)
+            inner_config.inference_mode = config.inference_mode
+            if inner is None:
+                tuner_cls = PEFT_TYPE_TO_TUNER_MAPPING[inner_config.peft_type]
+                inner = tuner_cls(model, {name: inner_config}, name, low_cpu_mem_usage=low_cpu_mem_usage)
+                # Kept out of the module tree: it wraps the same `model`, whose parameters must be registered once.
+                self.__dict__["_inner_tuner"] = inner
+            else:
+                inner.peft_config[name] = inner_config
+                inner.inject_adapter(
+                    model, name, autocast_adapter_dtype=autocast_adapter_dtype, low_cpu_mem_usage=low_cpu_mem_usage
+                )
+        if "bitune_mixers" not in self._modules:
+            self.bitune_mixers = nn.ModuleDict()
+        device = next(p.device for p in model.parameters())
+        self.bitune_mixers[adapter_name] = BituneKVMixer(_num_layers(model), config.mix_init, config.mix_scale).to(
+            device
+        )
+        self._route_layers_to(self._inner_names(self.active_adapter)[CAUSAL])
+        self._apply_trainable_state()
+
+    def _weight_sets(self, config: BituneConfig) -> tuple[WeightSet, ...]:
+        return (CAUSAL,) if config.shared_weights else (CAUSAL, BIDIRECTIONAL)
+
+    def _inner_names(self, adapter_name: str) -> dict[WeightSet, str]:
+        """Inner adapter used by each pass; with shared weights both passes use the causal set."""
+        config = self.peft_config[adapter_name]
+        causal = inner_adapter_name(adapter_name, CAUSAL)
+        bidirectional = causal if config.shared_weights else inner_adapter_name(adapter_name, BIDIRECTIONAL)
+        return {CAUSAL: causal, BIDIRECTIONAL: bidirectional}
+
+    def _apply_trainable_state(self) -> None:
+        """Only the active adapter trains (as with PEFT's `set_adapter`): both its weight sets and its mixing scalars."""
+        for adapter_name, config in self.peft_config.items():
+            trainable = adapter_name == self.active_adapter and not config.inference_mode
+            names = set(self._inner_names(adapter_name).values())
+            for layer in self._tuner_layers():
+                for attribute in layer.adapter_layer_names:
+                    for key, module in getattr(layer, attribute).items():
+                        if key in names:
+                            module.requires_grad_(trainable)
+            self.bitune_mixers[adapter_name].requires_grad_(trainable and config.train_mixing)
+
+    def _tuner_layers(self) -> Iterator[BaseTunerLayer]:
+        return (module for module in self.model.modules() if isinstance(module, BaseTunerLayer))
+
+    # ------------------------------------------------------------------ routing
+    def _route_layers_to(self, inner_name: str) -> None:
+        for layer in self._tuner_layers():
+            layer._active_adapter = [inner_name]
+
+    @contextmanager
+    def weights(self, weight_set: WeightSet) -> Iterator[None]:
+        """Run the model with one weight set of the active adapter; restores the previous routing on exit."""
+        if weight_set not in (CAUSAL, BIDIRECTIONAL):
+            raise ValueError(f"`weight_set` must be 'causal' or 'bidirectional', got {weight_set!r}.")
+        inner_name = self._inner_names(self.active_adapter)[weight_set]
+        layers = list(self._tuner_layers())
+        previous = [layer._active_adapter for layer in layers]
+        try:
+            for layer in layers:
+                layer._active_adapter = [inner_name]
+            yield
+        finally:
+            for layer, active in zip(layers, previous):
+                layer._active_adapter = active
+
+    @contextmanager
+    def _checkpointing_keeps_caches(self) -> Iterator[None]:
+        """
+        Let checkpointed decoder layers receive our pass caches (transformers drops caches under checkpointing).
+
+        Safe only because the pass caches are idempotent: prompt passes overwrite their record, the answer pass
+        stores nothing. Reentrant checkpointing silently loses the key/value projections' gradients, so it is refused.
+        """
+        layers = [m for m in self.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        checkpointing = [m for m in layers if m.gradient_checkpointing and m.training]
+        for layer in checkpointing:
+            keywords = getattr(getattr(layer, "_gradient_checkpointing_func", None), "keywords", {}) or {}
+            if keywords.get("use_reentrant", True) is not False:
+                raise ValueError(
+                    "Bitune needs non-reentrant gradient checkpointing (reentrant checkpointing drops the gradients "
+                    "of the key/value projections that flow through the mixed cache). Enable it with "
+                    "`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})`."
+                )
+        previous = [layer.__dict__.get("_can_checkpoint_with_cache") for layer in checkpointing]
+        try:
+            for layer in checkpointing:
+                layer._can_checkpoint_with_cache = True
+            yield
+        finally:
+            for layer, value in zip(checkpointing, previous):
+                if value is None:
+                    del layer._can_checkpoint_with_cache
+                else:
+                    layer._can_checkpoint_with_cache = value
+
+    # ------------------------------------------------------------------ state
+    @property
+    def mixer(self) -> BituneKVMixer:
+        """The mixing scalars of the active adapter."""
+        return self.bitune_mixers[self.active_adapter]
+
+    def get_mixing_coefficients(self) -> dict[str, torch.Tensor]:
+        """The alphas of the active adapter: `{"keys": (num_layers,), "values": (num_layers,)}`, detached, float32."""
+        key_alpha, value_alpha = self.mixer.coefficients()
+        return {"keys": key_alpha.detach(), "values": value_alpha.detach()}
+
+    def _adapters_disabled(self) -> bool:
+        return any(layer.disable_adapters for layer in self._tuner_layers())
+
+    def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
+        """Make `adapter_name` the active Bitune adapter (one at a time: two Bitune adapters cannot be combined)."""
+        if isinstance(adapter_name, (list, tuple)):
+            if len(adapter_name) != 1:
+                raise ValueError(
+                    f"Only one Bitune adapter can be active at a time, got {list(adapter_name)}: each brings its own "
+                    "prompt passes and mixing, which do not add up."
+                )
+            adapter_name = adapter_name[0]
+        if adapter_name not in self.peft_config:
+            raise ValueError(f"Adapter `{adapter_name}` not found; available: {sorted(self.peft_config)}.")
+        self.active_adapter = adapter_name
+        if inference_mode:
+            self.peft_config[adapter_name].inference_mode = True
+        self._route_layers_to(self._inner_names(adapter_name)[CAUSAL])
+        self._apply_trainable_state()
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        if adapter_name not in self.peft_config:
+            raise ValueError(f"Adapter `{adapter_name}` does not exist.")
+        if adapter_name == self.active_adapter and len(self.peft_config) == 1:
+            raise ValueError("Cannot delete the only Bitune adapter of the model; unload the model instead.")
+        for name in set(self._inner_names(adapter_name).values()):
+            self._inner_tuner.delete_adapter(name)
+        del self.bitune_mixers[adapter_name]
+        del self.peft_config[adapter_name]
+        if adapter_name == self.active_adapter:
+            self.set_adapter(next(iter(self.peft_config)))
+        else:
+            self._route_layers_to(self._inner_names(self.active_adapter)[CAUSAL])
+
+    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
+        self._inner_tuner._mark_only_adapters_as_trainable(model)
+        self._apply_trainable_state()
+
+    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        for name in set(self._inner_names(adapter_name).values()):
+            self._inner_tuner._cast_adapter_dtype(name, autocast_adapter_dtype=autocast_adapter_dtype)
+
+    def _prepare_adapter_config(self, peft_config: BituneConfig, model_config: dict) -> BituneConfig:
+        return peft_config
+
+    def _check_target_module_exists(self, peft_config: BituneConfig, key: str) -> bool:
+        raise NotImplementedError("BituneModel delegates module targeting to its inner PEFT method.")
+
+    def _create_and_replace(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("BituneModel delegates module replacement to its inner PEFT method.")
+
+    def _check_merge_allowed(self) -> None:
+        raise ValueError(
+            "A Bitune adapter cannot be merged into the base model: it holds two weight sets that are used for "
+            "different tokens (the bidirectional set only while reading the prompt, the causal set everywhere else), "
+            "plus a learned mix of the two prompt caches. No single set of merged weights reproduces that. Keep the "
+            "adapter unmerged and use `model.generate`, which already decodes at the cost of the base model plus one "
+            "adapter."
+        )
+
+    def merge_and_unload(self, *args: Any, **kwargs: Any) -> nn.Module:
+        self._check_merge_allowed()
+
+    def merge_adapter(self, *args: Any, **kwargs: Any) -> None:
+        self._check_merge_allowed()
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        prompt_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """
+        The Bitune training forward.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): instruction then answer, padded left or right.
+            attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
+            inputs_embeds (`torch.FloatTensor` of shape (batch_size, seq_len, hidden_size), *optional*): instead of ids.
+            labels (`torch.LongTensor` of shape (batch_size, seq_len), *optional*): targets aligned with the input, -100
+                where there is no loss. Without `prompt_mask`, the instruction is the unsupervised tokens before the
+                first supervised one.
+            prompt_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on instruction tokens. When given,
+                labels on instruction tokens are not used: the loss is on answer tokens only.
+            past_key_values (`Cache`, *optional*): continue decoding from a cache (e.g. from `prefill`); the input is
+                then run causally with the causal weights, exactly like a decoding step of `generate`.
+            num_items_in_batch (`int`, *optional*): the number of supervised tokens the loss is averaged over (passed by
+                `Trainer` under gradient accumulation); defaults to this batch's count.
+
+        Returns:
+            `CausalLMOutputWithPast` whose `logits` (batch_size, seq_len, vocab) are aligned with the input. Positions
+            before the last instruction token hold zeros: their logits are never used, and the LM head over a long
+            prompt with a large vocabulary is not free.
+        """
+        if self._adapters_disabled():
+            return self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+        if past_key_values is not None:
+            if prompt_mask is not None or labels is not None:
+                raise ValueError(
+                    "`past_key_values` continues a sequence causally, so it cannot be combined with `labels` or "
+                    "`prompt_mask` (a new instruction on top of a cache is multi-turn data, not supported yet)."
+                )
+            return self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+        for unsupported in ("output_attentions", "output_hidden_states"):
+            if kwargs.pop(unsupported, None):
+                raise NotImplementedError(
+                    f"`{unsupported}=True` is not supported by the Bitune forward, whose three passes have different "
+                    "lengths; see `peft_bitune.visualize` for attention maps."
+                )
+        kwargs.pop("return_dict", None)
+        kwargs.pop("use_cache", None)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+        sequence = input_ids if input_ids is not None else inputs_embeds
+        layout = PromptAnswerLayout.from_inputs(
+            sequence.shape, attention_mask, labels, prompt_mask, device=sequence.device
+        )
+        with self._checkpointing_keeps_caches():
+            prefix = self._prefill_for_training(layout, sequence, is_embeds=input_ids is None)
+            answer_logits = self._answer_pass(layout, sequence, prefix, is_embeds=input_ids is None, **kwargs)
+        loss = None
+        if layout.answer_labels is not None:
+            loss = _answer_loss(answer_logits, layout.answer_labels, num_items_in_batch)
+        logits = layout.scatter_answer(answer_logits, sequence.shape[1])
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _sequence_kwargs(self, tokens: torch.Tensor, is_embeds: bool) -> dict[str, torch.Tensor]:
+        return {"inputs_embeds": tokens} if is_embeds else {"input_ids": tokens}
+
+    def _prefill_for_training(
+        self, layout: PromptAnswerLayout, sequence: torch.Tensor, is_embeds: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Steps 1-3: both prompt passes over x_1..x_{P-1}, then the mix. `None` when every prompt is one token."""
+        if layout.prefill_length == 0:
+            return None
+        tokens = self._sequence_kwargs(layout.gather_prefill(sequence), is_embeds)
+        caches = {}
+        for weight_set in (BIDIRECTIONAL, CAUSAL):
+            caches[weight_set] = recording_cache(_num_layers(self.model))
+            self._prompt_pass(
+                weight_set,
+                caches[weight_set],
+                attention_mask=layout.prefill_mask,
+                position_ids=layout.prefill_positions,
+                **tokens,
+            )
+        return mix_recorded(caches[CAUSAL], caches[BIDIRECTIONAL], self.mixer)
+
+    def _prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: torch.Tensor) -> None:
+        """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used)."""
+        is_causal = weight_set == CAUSAL or self.peft_config[self.active_adapter].second_pass_attention == CAUSAL
+        with self.weights(weight_set):
+            _decoder(self.model)(past_key_values=cache, use_cache=False, is_causal=is_causal, **inputs)
+
+    def _answer_pass(
+        self,
+        layout: PromptAnswerLayout,
+        sequence: torch.Tensor,
+        prefix: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
+        is_embeds: bool,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Step 4: x_P and the answer, causal weights, over the mixed prefix. Returns logits (B, La, vocab)."""
+        tokens = self._sequence_kwargs(layout.gather_answer(sequence), is_embeds)
+        if prefix is None:
+            cache, attention_mask = None, layout.answer_mask
+        else:
+            cache = prefix_cache(*prefix)
+            attention_mask = torch.cat([layout.prefill_mask, layout.answer_mask], dim=1)
+        with self.weights(CAUSAL):
+            output = self.model(
+                attention_mask=attention_mask,
+                position_ids=layout.answer_positions,
+                past_key_values=cache,
+                use_cache=False,
+                **tokens,
+                **kwargs,
+            )
+        return output.logits
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None) -> DynamicCache:
+        """
+        Read left-padded prompts twice and return the mixed cache of every prompt minus its last token.
+
+        The result is a transformers `DynamicCache` holding `input_ids.shape[1] - 1` positions; pass it to `generate`
+        (with the full `input_ids`) or continue with forward calls (causal weights).
+
+        Args:
+            input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the prompts, left-padded.
+            attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
+        """
+        attention_mask = _check_generation_prompts(input_ids, attention_mask, _max_positions(self.model))
+        return self._prefill_cache(input_ids, attention_mask)
+
+    def _prefill_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DynamicCache:
+        prompt_ids, prompt_mask = input_ids[:, :-1], attention_mask[:, :-1]
+        position_ids = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+        caches = {}
+        for weight_set in (BIDIRECTIONAL, CAUSAL):
+            caches[weight_set] = DynamicCache(config=self.model.config)
+            if prompt_ids.shape[1] > 0:
+                self._prompt_pass(
+                    weight_set,
+                    caches[weight_set],
+                    input_ids=prompt_ids,
+                    attention_mask=prompt_mask,
+                    position_ids=position_ids,
+                )
+        if prompt_ids.shape[1] == 0:
+            return caches[CAUSAL]
+        return mix_into_dynamic_cache(caches[CAUSAL], caches[BIDIRECTIONAL], self.mixer)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """
+        Bitune generation: prefill the prompt twice and mix (steps 1-3), then transformers' own `generate` decodes
+        with the causal weights from the mixed cache. Every `generate` argument works as in transformers. The whole
+        non-padding input is the instruction; prompts must be left-padded.
+        """
+        if self._adapters_disabled():
+            return self.model.generate(*args, **kwargs)
+        if args:
+            if "input_ids" in kwargs or len(args) > 1:
+                raise TypeError("Pass the prompt once, as `input_ids`; other `generate` arguments by keyword.")
+            kwargs["input_ids"] = args[0]
+        if kwargs.get("past_key_values") is not None:
+            raise NotImplementedError(
+                "Continuing a conversation from a cache (multi-turn Bitune generation) is not supported yet; pass the "
+                "whole conversation as the prompt instead."
+            )
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None:
+            raise ValueError("Bitune `generate` needs `input_ids`: the prompt is read twice by token.")
+        attention_mask = _check_generation_prompts(input_ids, kwargs.get("attention_mask"), _max_positions(self.model))
+        kwargs["attention_mask"] = attention_mask
+        with torch.no_grad():
+            cache = self._prefill_cache(input_ids, attention_mask)
+        expand = _generation_expand_size(self.model, kwargs)
+        if expand > 1:
+            cache.batch_repeat_interleave(expand)
+        return self.model.generate(past_key_values=cache, **kwargs)
+
+
+def _answer_loss(
+    logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None
+) -> torch.Tensor:
+    """Next-token cross-entropy, summed over supervised answer positions and averaged like transformers does."""
+    loss = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    if num_items_in_batch is None:
+        num_items_in_batch = (labels != IGNORE_INDEX).sum()
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack under the LM head (e.g. `LlamaModel` inside `LlamaForCausalLM`)."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _num_layers(model: nn.Module) -> int:
+    return _text_config(model).num_hidden_layers
+
+
+def _max_positions(model: nn.Module) -> int | None:
+    return getattr(_text_config(model), "max_position_embeddings", None)
+
+
+def _check_model_supported(model: nn.Module) -> None:
+    """Refuse, before any weights are created, a model Bitune cannot run on."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generate") or not hasattr(model, "get_decoder"):
+        raise ValueError(
+            f"Bitune needs a transformers causal language model (e.g. `AutoModelForCausalLM`), got "
+            f"{type(model).__name__}."
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"Bitune tunes decoder-only models; {type(model).__name__} is an encoder-decoder model."
+        )
+    if not getattr(model, "_supports_cache_class", True) or getattr(_text_config(model), "use_cache", None) is None:
+        raise ValueError(
+            f"Bitune reads the prompt into a KV cache, and {type(model).__name__} has no KV cache support."
+        )
+    if not hasattr(_text_config(model), "num_hidden_layers"):
+        raise ValueError(f"Cannot find `num_hidden_layers` in the config of {type(model).__name__}.")
+
+
+def _check_generation_prompts(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_positions: int | None
+) -> torch.Tensor:
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"`input_ids` must be a non-empty (batch_size, seq_len) tensor, got shape {tuple(input_ids.shape)}.")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
+        )
+    valid = attention_mask.bool()
+    lengths = valid.sum(dim=1)
+    if bool((lengths == 0).any()):
+        rows = (lengths == 0).nonzero().flatten().tolist()
+        raise ValueError(f"Prompt rows {rows} are empty (attention_mask all 0); every prompt needs at least one token.")
+    if not bool(valid[:, -1].all()):
+        rows = (~valid[:, -1]).nonzero().flatten().tolist()
+        raise ValueError(
+            f"Prompt rows {rows} are right-padded. Bitune generation continues every prompt from its last token, so "
+            "prompts must be left-padded: set `tokenizer.padding_side = 'left'`."
+        )
+    starts = valid.int().argmax(dim=1)
+    expected = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] >= starts[:, None]
+    if bool((valid != expected).any()):
+        raise ValueError("Prompts have padding between real tokens; pad on the left only.")
+    if max_positions is not None and int(lengths.max()) > max_positions:
+        raise ValueError(
+            f"A prompt has {int(lengths.max())} tokens, more than the model's {max_positions} positions; shorten it "
+            "(nothing is truncated silently)."
+        )
+    return attention_mask
+
+
+def _generation_expand_size(model: nn.Module, kwargs: dict[str, Any]) -> int:
+    """How many sequences `generate` makes of each prompt (its own rule: max(num_beams, num_return_sequences))."""
+    generation_config = kwargs.get("generation_config") or model.generation_config
+    num_beams = kwargs.get("num_beams", generation_config.num_beams) or 1
+    num_return_sequences = kwargs.get("num_return_sequences", generation_config.num_return_sequences) or 1
+    return max(num_beams, num_return_sequences)
