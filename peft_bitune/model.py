@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
@@ -135,11 +135,7 @@ class BituneModel(BaseTuner):
             layer._active_adapter = [inner_name]
 
     @contextmanager
-    def weights(self, weight_set: WeightSet) -> Iterator[None]:
-        """Run the model with one weight set of the active adapter; restores the previous routing on exit."""
-        if weight_set not in (CAUSAL, BIDIRECTIONAL):
-            raise ValueError(f"`weight_set` must be 'causal' or 'bidirectional', got {weight_set!r}.")
-        inner_name = self._inner_names(self.active_adapter)[weight_set]
+    def _routed_to(self, inner_name: str) -> Iterator[None]:
         layers = list(self._tuner_layers())
         previous = [layer._active_adapter for layer in layers]
         try:
@@ -151,12 +147,22 @@ class BituneModel(BaseTuner):
                 layer._active_adapter = active
 
     @contextmanager
+    def weights(self, weight_set: WeightSet) -> Iterator[None]:
+        """Run the model with one weight set of the active adapter; restores the previous routing on exit."""
+        if weight_set not in (CAUSAL, BIDIRECTIONAL):
+            raise ValueError(f"`weight_set` must be 'causal' or 'bidirectional', got {weight_set!r}.")
+        with self._routed_to(self._inner_names(self.active_adapter)[weight_set]):
+            yield
+
+    @contextmanager
     def _checkpointing_keeps_caches(self) -> Iterator[None]:
         """
-        Let checkpointed decoder layers receive our pass caches (transformers drops caches under checkpointing).
+        Make gradient checkpointing work across the three passes.
 
-        Safe only because the pass caches are idempotent: prompt passes overwrite their record, the answer pass
-        stores nothing. Reentrant checkpointing silently loses the key/value projections' gradients, so it is refused.
+        transformers drops caches in checkpointed layers; ours are safe to keep because they are idempotent (prompt
+        passes overwrite their record, the answer pass stores nothing). A layer is recomputed during backward, after
+        its pass has ended, so the recomputation is told to run under the weights of the pass that first ran it.
+        Reentrant checkpointing silently loses the key/value projections' gradients, so it is refused.
         """
         layers = [m for m in self.model.modules() if isinstance(m, GradientCheckpointingLayer)]
         checkpointing = [m for m in layers if m.gradient_checkpointing and m.training]
@@ -168,17 +174,31 @@ class BituneModel(BaseTuner):
                     "of the key/value projections that flow through the mixed cache). Enable it with "
                     "`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})`."
                 )
-        previous = [layer.__dict__.get("_can_checkpoint_with_cache") for layer in checkpointing]
+        saved = [(layer.__dict__.get("_can_checkpoint_with_cache"), layer._gradient_checkpointing_func)
+                 for layer in checkpointing]
         try:
             for layer in checkpointing:
                 layer._can_checkpoint_with_cache = True
+                layer._gradient_checkpointing_func = self._recompute_with_same_weights(layer._gradient_checkpointing_func)
             yield
         finally:
-            for layer, value in zip(checkpointing, previous):
-                if value is None:
+            for layer, (can_checkpoint, checkpoint_func) in zip(checkpointing, saved):
+                if can_checkpoint is None:
                     del layer._can_checkpoint_with_cache
                 else:
-                    layer._can_checkpoint_with_cache = value
+                    layer._can_checkpoint_with_cache = can_checkpoint
+                layer._gradient_checkpointing_func = checkpoint_func
+
+    def _recompute_with_same_weights(self, checkpoint_func: Any) -> Any:
+        def checkpoint_in_pass(function: Any, *args: Any, **kwargs: Any) -> Any:
+            routed = next(self._tuner_layers())._active_adapter[0]
+            if "context_fn" in kwargs:
+                raise ValueError("Bitune sets the checkpoint `context_fn` itself; remove it from the checkpoint kwargs.")
+            return checkpoint_func(
+                function, *args, context_fn=lambda: (nullcontext(), self._routed_to(routed)), **kwargs
+            )
+
+        return checkpoint_in_pass
 
     # ------------------------------------------------------------------ state
     @property

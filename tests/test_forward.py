@@ -1,0 +1,302 @@
+"""The batched training forward against the per-row reference, on every supported architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import IA3Config, LoraConfig
+
+from conftest import ATTENTION_CASES, VOCAB
+from reference import alphas, make_bitune, reference_row
+
+PROMPT_LENGTHS = [1, 3, 7, 9]
+ANSWER_LENGTHS = [4, 2, 5, 3]
+
+
+def make_batch(padding_side: str, seed: int = 1, prompt_lengths=PROMPT_LENGTHS, answer_lengths=ANSWER_LENGTHS):
+    """Rows of random tokens with the given prompt/answer lengths, padded on one side; labels mark the answers."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(3, VOCAB, (p + a,), generator=generator) for p, a in zip(prompt_lengths, answer_lengths)]
+    width = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    prompt_mask = torch.zeros_like(input_ids)
+    for i, (row, p) in enumerate(zip(rows, prompt_lengths)):
+        start = width - len(row) if padding_side == "left" else 0
+        input_ids[i, start : start + len(row)] = row
+        attention_mask[i, start : start + len(row)] = 1
+        labels[i, start + p : start + len(row)] = row[p:]
+        prompt_mask[i, start : start + p] = 1
+    return rows, dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels), prompt_mask
+
+
+def reference_batch(model, rows, prompt_lengths):
+    """Per-row reference: answer logits of each row and the batch loss (mean over all supervised tokens)."""
+    results = [reference_row(model, row, p) for row, p in zip(rows, prompt_lengths)]
+    total = sum(len(row) - p for row, p in zip(rows, prompt_lengths))
+    loss = sum(loss_sum for _, loss_sum in results) / total
+    return [logits for logits, _ in results], loss
+
+
+def answer_logits(logits, batch, rows, prompt_lengths):
+    """The output logits at x_P..end of each row (positions aligned with the input)."""
+    out = []
+    for i, (row, p) in enumerate(zip(rows, prompt_lengths)):
+        start = int(batch["attention_mask"][i].argmax())
+        out.append(logits[i, start + p - 1 : start + len(row)])
+    return out
+
+
+def trainable_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+def assert_matches_reference(model, padding_side, atol=1e-5, reference=None):
+    rows, batch, _ = make_batch(padding_side)
+    model.zero_grad()
+    out = model(**batch)
+    out.loss.backward()
+    grads = trainable_grads(model)
+
+    model.zero_grad()
+    ref_logits, ref_loss = (reference or reference_batch)(model, rows, PROMPT_LENGTHS)
+    ref_loss.backward()
+    ref_grads = trainable_grads(model)
+
+    torch.testing.assert_close(out.loss, ref_loss, atol=atol, rtol=0)
+    for got, want in zip(answer_logits(out.logits, batch, rows, PROMPT_LENGTHS), ref_logits):
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=atol, rtol=0, msg=name)
+    return out
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+@pytest.mark.parametrize(("arch", "attn_implementation"), ATTENTION_CASES)
+def test_batched_forward_matches_per_row_reference(load_base, arch, attn_implementation, padding_side):
+    model = make_bitune(load_base(arch, attn_implementation))
+    model.train()
+    assert_matches_reference(model, padding_side)
+
+
+@pytest.mark.parametrize(
+    "adapter_config",
+    [
+        LoraConfig(r=4, target_modules="all-linear", use_dora=True, init_lora_weights=False),
+        IA3Config(target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
+                  init_ia3_weights=False),
+    ],
+    ids=["dora", "ia3"],
+)
+def test_other_peft_methods_match_reference(load_base, adapter_config):
+    model = make_bitune(load_base("llama"), adapter_config=adapter_config)
+    model.train()
+    assert_matches_reference(model, "left")
+
+
+def test_prompt_mask_gives_the_same_result_as_labels(load_base):
+    model = make_bitune(load_base("qwen2"))
+    rows, batch, prompt_mask = make_batch("right")
+    from_labels = model(**batch)
+    # With an explicit prompt mask, labels on instruction tokens are not used.
+    labels_everywhere = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    from_mask = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                      labels=labels_everywhere, prompt_mask=prompt_mask)
+    torch.testing.assert_close(from_mask.loss, from_labels.loss)
+    torch.testing.assert_close(from_mask.logits, from_labels.logits)
+
+
+def test_output_is_aligned_with_input_and_prompt_positions_are_zero(load_base):
+    model = make_bitune(load_base("llama"))
+    rows, batch, prompt_mask = make_batch("left")
+    out = model(**batch)
+    assert out.logits.shape == (*batch["input_ids"].shape, VOCAB)
+    # Everything before the last instruction token (and padding) holds zeros.
+    last_prompt = torch.zeros_like(prompt_mask)
+    for i, p in enumerate(PROMPT_LENGTHS):
+        start = int(batch["attention_mask"][i].argmax())
+        last_prompt[i, start + p - 1] = 1
+    unused = (prompt_mask.bool() & ~last_prompt.bool()) | (batch["attention_mask"] == 0)
+    assert torch.all(out.logits[unused] == 0)
+    assert torch.all(out.logits[~unused].abs().sum(-1) > 0)
+
+
+def test_every_parameter_that_can_influence_the_loss_gets_a_gradient(load_base):
+    base = load_base("llama")
+    frozen_before = {n for n, p in base.named_parameters()}
+    model = make_bitune(base)
+    model.train()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable, "nothing is trainable"
+    assert all(("lora_" in n) or ("bitune_mixers" in n) for n in trainable)
+    assert len([n for n in trainable if "bitune_mixers" in n]) == 2
+    assert len(frozen_before) == len([n for n, p in model.named_parameters() if not p.requires_grad])
+
+    _, batch, _ = make_batch("right")
+    model(**batch).loss.backward()
+    last = base.config.num_hidden_layers - 1
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        # The bidirectional weights of the last layer only matter through its keys and values.
+        unreachable = f"layers.{last}." in name and "bidirectional" in name and not any(
+            proj in name for proj in ("k_proj", "v_proj")
+        )
+        if unreachable:
+            assert param.grad is None, name
+        else:
+            assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_bidirectional_pass_sees_later_prompt_tokens_and_causal_does_not(load_base):
+    model = make_bitune(load_base("llama", "sdpa"))
+    bitune = model.base_model
+    prompt = torch.randint(3, VOCAB, (1, 6))
+    changed = prompt.clone()
+    changed[0, 4] = (changed[0, 4] + 1) % VOCAB
+
+    def first_key(ids, weight_set, is_causal):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=bitune.model.config)
+        with bitune.weights(weight_set):
+            bitune.model(input_ids=ids, past_key_values=cache, use_cache=True, is_causal=is_causal)
+        # Layer 0's keys are projections of the embeddings alone; the last layer's have been through attention.
+        return cache.layers[-1].keys[..., 0, :]
+
+    assert not torch.allclose(first_key(prompt, "bidirectional", False), first_key(changed, "bidirectional", False))
+    torch.testing.assert_close(first_key(prompt, "causal", True), first_key(changed, "causal", True))
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_is_causal_false_equals_a_hand_built_full_mask(load_base, attn_implementation):
+    base = load_base("llama", attn_implementation)
+    ids = torch.randint(3, VOCAB, (1, 7))
+    bidirectional = base(input_ids=ids, is_causal=False).logits
+    full_mask = torch.zeros(1, 1, 7, 7)  # additive: nothing masked
+    by_hand = base(input_ids=ids, attention_mask=full_mask).logits
+    torch.testing.assert_close(bidirectional, by_hand, atol=1e-5, rtol=0)
+    assert not torch.allclose(bidirectional, base(input_ids=ids).logits, atol=1e-3)
+
+
+def test_one_token_prompts_are_plain_causal_decoding(load_base):
+    model = make_bitune(load_base("llama"))
+    ids = torch.randint(3, VOCAB, (2, 6))
+    labels = ids.clone()
+    labels[:, 0] = -100
+    out = model(input_ids=ids, labels=labels)
+    with model.base_model.weights("causal"):
+        plain = model.base_model.model(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.loss, plain.loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.logits, plain.logits, atol=1e-6, rtol=0)
+
+
+def test_disable_adapter_gives_the_base_model_outputs(load_base):
+    base = load_base("gemma2")
+    _, batch, _ = make_batch("right")
+    expected = base(**batch)
+    model = make_bitune(base)
+    with model.disable_adapter():
+        got = model(**batch)
+    torch.testing.assert_close(got.logits, expected.logits)
+    torch.testing.assert_close(got.loss, expected.loss)
+    assert not torch.allclose(model(**batch).loss, expected.loss)
+
+
+def test_shared_weights_ablation_uses_one_weight_set_for_both_passes(load_base):
+    model = make_bitune(load_base("llama"), shared_weights=True)
+    model.train()
+    names = [n for n, _ in model.named_parameters()]
+    assert not any("bidirectional" in n for n in names)
+    assert_matches_reference(model, "left")
+
+
+def test_causal_second_pass_ablation(load_base):
+    model = make_bitune(load_base("qwen3"), second_pass_attention="causal")
+    model.train()
+
+    def reference(model, rows, prompt_lengths):
+        results = [reference_row(model, row, p, second_pass_causal=True) for row, p in zip(rows, prompt_lengths)]
+        total = sum(len(row) - p for row, p in zip(rows, prompt_lengths))
+        return [r[0] for r in results], sum(r[1] for r in results) / total
+
+    assert_matches_reference(model, "right", reference=reference)
+
+
+def test_frozen_mixing_ablation_keeps_alpha_fixed(load_base):
+    model = make_bitune(load_base("llama"), train_mixing=False, mix_init=0.03)
+    mixer = model.base_model.mixer
+    assert not mixer.key_weights.requires_grad and not mixer.value_weights.requires_grad
+    _, batch, _ = make_batch("left")
+    model(**batch).loss.backward()
+    assert mixer.key_weights.grad is None
+    assert any(p.grad is not None for n, p in model.named_parameters() if "bidirectional" in n)
+
+
+def test_mixing_coefficients_start_at_one_half():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from peft_bitune import BituneConfig
+    from peft import get_peft_model
+
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                        num_attention_heads=2))
+    model = get_peft_model(base, BituneConfig())
+    coefficients = model.base_model.get_mixing_coefficients()
+    assert set(coefficients) == {"keys", "values"}
+    for alpha in coefficients.values():
+        assert alpha.shape == (3,) and alpha.dtype == torch.float32
+        torch.testing.assert_close(alpha, torch.full((3,), 0.5))
+
+
+def test_bfloat16_loss_is_close_to_float32(load_base):
+    fp32 = make_bitune(load_base("llama"))
+    bf16 = make_bitune(load_base("llama", dtype=torch.bfloat16))
+    _, batch, _ = make_batch("left")
+    loss32 = fp32(**batch).loss
+    out16 = bf16(**batch)
+    assert out16.logits.dtype == torch.bfloat16
+    assert bf16.base_model.mixer.key_weights.dtype == torch.float32
+    torch.testing.assert_close(out16.loss.float(), loss32, atol=0.05, rtol=0.02)
+    out16.loss.backward()
+    assert bf16.base_model.mixer.key_weights.grad is not None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_gradient_checkpointing_gives_the_same_gradients(load_base, arch):
+    plain = make_bitune(load_base(arch))
+    plain.train()
+    _, batch, _ = make_batch("right")
+    loss = plain(**batch).loss
+    loss.backward()
+    expected = trainable_grads(plain)
+
+    model = make_bitune(load_base(arch))
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    checkpointed_loss = model(**batch).loss
+    checkpointed_loss.backward()
+    got = trainable_grads(model)
+    torch.testing.assert_close(checkpointed_loss, loss)
+    assert got.keys() == expected.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_reentrant_gradient_checkpointing_is_refused(load_base):
+    model = make_bitune(load_base("llama"))
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    _, batch, _ = make_batch("right")
+    with pytest.raises(ValueError, match="non-reentrant"):
+        model(**batch)
+
+
+def test_alpha_formula_matches_the_paper(load_base):
+    model = make_bitune(load_base("llama"))
+    key_alpha, value_alpha = alphas(model)
+    coefficients = model.base_model.get_mixing_coefficients()
+    torch.testing.assert_close(coefficients["keys"], key_alpha.detach())
+    torch.testing.assert_close(coefficients["values"], value_alpha.detach())
