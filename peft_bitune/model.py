@@ -20,6 +20,7 @@ from .caches import mix_into_dynamic_cache, mix_recorded, prefix_cache, recordin
 from .config import BituneConfig
 from .layout import IGNORE_INDEX, PromptAnswerLayout
 from .mixing import BituneKVMixer
+from .persistence import BituneCheckpointMixin
 from .registration import BITUNE_PREFIX
 
 WeightSet = Literal["causal", "bidirectional"]
@@ -34,7 +35,7 @@ def inner_adapter_name(adapter_name: str, weight_set: WeightSet) -> str:
     return f"{adapter_name}{_INNER_SEPARATOR}{weight_set}"
 
 
-class BituneModel(BaseTuner):
+class BituneModel(BituneCheckpointMixin, BaseTuner):
     """
     Bitune (bidirectional instruction tuning) on top of any PEFT method that supports several adapters.
 
