@@ -13,6 +13,9 @@ from transformers import AutoModelForCausalLM
 
 import peft_bitune  # noqa: F401  (registers the BITUNE peft type)
 
+# The test models are tiny: one thread avoids thread hand-off costs that dominate at this size (and oversubscription).
+torch.set_num_threads(1)
+
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)

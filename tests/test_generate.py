@@ -1,0 +1,204 @@
+"""Bitune generation: consistent with training, batched, every decoding strategy, the right cost."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from conftest import ATTENTION_CASES, VOCAB
+from reference import make_bitune, reference_greedy, reference_prefill
+
+PROMPT_LENGTHS = [9, 1, 4, 12]
+
+
+def prompts(seed: int = 3, lengths=PROMPT_LENGTHS) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator) for n in lengths]
+
+
+def left_padded(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row) :] = row
+        attention_mask[i, width - len(row) :] = 1
+    return dict(input_ids=input_ids, attention_mask=attention_mask)
+
+
+def generated(output, batch) -> torch.Tensor:
+    sequences = output.sequences if hasattr(output, "sequences") else output
+    return sequences[:, batch["input_ids"].shape[1] :]
+
+
+GREEDY = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+@pytest.mark.parametrize(("arch", "attn_implementation"), ATTENTION_CASES)
+def test_batched_greedy_equals_each_prompt_alone_and_the_training_reference(load_base, arch, attn_implementation):
+    model = make_bitune(load_base(arch, attn_implementation)).eval()
+    rows = prompts()
+    batch = left_padded(rows)
+    out = model.generate(**batch, **GREEDY, output_scores=True, return_dict_in_generate=True)
+    tokens = generated(out, batch)
+    for i, row in enumerate(rows):
+        alone_batch = left_padded([row])
+        alone = model.generate(**alone_batch, **GREEDY, output_scores=True, return_dict_in_generate=True)
+        assert tokens[i].tolist() == generated(alone, alone_batch)[0].tolist()
+        for step_batch, step_alone in zip(out.scores, alone.scores):
+            torch.testing.assert_close(step_batch[i], step_alone[0], atol=1e-4, rtol=0)
+    # The step-by-step training-style reference for the longest prompt (it crosses the sliding windows).
+    longest = max(range(len(rows)), key=lambda i: len(rows[i]))
+    assert tokens[longest].tolist() == reference_greedy(model, rows[longest], GREEDY["max_new_tokens"])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mistral"])
+def test_greedy_tokens_are_the_argmax_of_the_training_forward(load_base, arch):
+    model = make_bitune(load_base(arch)).eval()
+    rows = prompts(seed=5)
+    batch = left_padded(rows)
+    tokens = generated(model.generate(**batch, **GREEDY), batch)
+    n = tokens.shape[1]
+    for row, new in zip(rows, tokens):
+        sequence = torch.cat([row, new])[None]
+        labels = sequence.clone()
+        labels[:, : len(row)] = -100
+        logits = model(input_ids=sequence, labels=labels).logits[0]
+        # Logits at the last prompt token and at each generated token but the last predict the next token.
+        predicted = logits[len(row) - 1 : len(row) - 1 + n].argmax(-1)
+        assert predicted.tolist() == new.tolist()
+
+
+def test_prefill_holds_exactly_the_mixed_keys_and_values_of_prompt_minus_last(load_base):
+    model = make_bitune(load_base("gemma2")).eval()
+    rows = prompts(seed=7, lengths=[5, 11])
+    batch = left_padded(rows)
+    cache = model.base_model.prefill(**batch)
+    width = batch["input_ids"].shape[1]
+    assert cache.get_seq_length() == width - 1
+    for i, row in enumerate(rows):
+        expected = reference_prefill(model, row[None])
+        for layer, ref_layer in zip(cache.layers, expected.layers):
+            kept = ref_layer.keys.shape[-2]  # a sliding layer keeps only its window
+            torch.testing.assert_close(layer.keys[i : i + 1, :, -kept:], ref_layer.keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(layer.values[i : i + 1, :, -kept:], ref_layer.values, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_beam_search_and_several_return_sequences_batched_equal_alone(load_base, arch):
+    model = make_bitune(load_base(arch)).eval()
+    rows = prompts(seed=11, lengths=[3, 8, 6])
+    batch = left_padded(rows)
+    settings = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, eos_token_id=None,
+                    pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    out = model.generate(**batch, **settings)
+    tokens = generated(out, batch)
+    assert tokens.shape[0] == len(rows) * 2
+    for i, row in enumerate(rows):
+        alone_batch = left_padded([row])
+        alone = model.generate(**alone_batch, **settings)
+        assert tokens[2 * i : 2 * i + 2].tolist() == generated(alone, alone_batch).tolist()
+        torch.testing.assert_close(out.sequences_scores[2 * i : 2 * i + 2], alone.sequences_scores, atol=1e-4, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible_and_several_sequences_per_prompt_work(load_base):
+    model = make_bitune(load_base("qwen2")).eval()
+    batch = left_padded(prompts(seed=2, lengths=[4, 7]))
+    settings = dict(max_new_tokens=8, do_sample=True, top_k=20, temperature=1.5, num_return_sequences=3,
+                    eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(123)
+    first = model.generate(**batch, **settings)
+    torch.manual_seed(123)
+    second = model.generate(**batch, **settings)
+    assert first.shape == (6, batch["input_ids"].shape[1] + 8)
+    assert torch.equal(first, second)
+    assert len({tuple(t) for t in generated(first, batch).tolist()}) > 1
+
+
+def test_generation_config_streamer_and_stopping_criteria_keep_working(load_base):
+    from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+    model = make_bitune(load_base("phi3")).eval()
+    batch = left_padded(prompts(seed=4, lengths=[6]))
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.flatten().tolist())
+
+        def end(self):
+            self.chunks.append("end")
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= batch["input_ids"].shape[1] + 3)
+
+    streamer = Collect()
+    config = GenerationConfig(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = model.generate(**batch, generation_config=config, streamer=streamer,
+                         stopping_criteria=StoppingCriteriaList([StopAfter()]))
+    new = generated(out, batch)[0].tolist()
+    assert len(new) == 3
+    assert streamer.chunks[0] == batch["input_ids"][0].tolist()  # the prompt is streamed first, as in transformers
+    assert [c[0] for c in streamer.chunks[1:-1]] == new and streamer.chunks[-1] == "end"
+    eos = new[1]
+    stopped = generated(model.generate(**batch, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=eos),
+                        batch)[0].tolist()
+    assert stopped == new[:2]
+
+
+def test_decoding_reuses_the_prefill_and_never_reruns_it(load_base, monkeypatch):
+    model = make_bitune(load_base("llama")).eval()
+    bitune = model.base_model
+    calls = []
+    original = type(bitune)._prompt_pass
+
+    def counting(self, weight_set, cache, **inputs):
+        calls.append((weight_set, inputs["input_ids"].shape))
+        return original(self, weight_set, cache, **inputs)
+
+    monkeypatch.setattr(type(bitune), "_prompt_pass", counting)
+    batch = left_padded(prompts(seed=8, lengths=[5, 9]))
+    model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    width = batch["input_ids"].shape[1]
+    assert calls == [("bidirectional", (2, width - 1)), ("causal", (2, width - 1))]
+
+    # Every decoding step after the prefill is one causal forward over the new token only.
+    seen = []
+    handle = bitune.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        model.generate(**batch, max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    finally:
+        handle.remove()
+    assert seen == [1] * 5
+
+
+def test_disable_adapter_generates_like_the_base_model(load_base):
+    base = load_base("gemma")
+    batch = left_padded(prompts(seed=9, lengths=[3, 7]))
+    expected = base.generate(**batch, **GREEDY)
+    model = make_bitune(base).eval()
+    with model.disable_adapter():
+        got = model.generate(**batch, **GREEDY)
+    assert torch.equal(got, expected)
+    assert not torch.equal(model.generate(**batch, **GREEDY), expected)
+
+
+def test_generation_input_errors_are_clear(load_base):
+    model = make_bitune(load_base("llama")).eval()
+    batch = left_padded(prompts(seed=1, lengths=[3, 5]))
+    empty = dict(batch, attention_mask=batch["attention_mask"].clone())
+    empty["attention_mask"][0] = 0
+    with pytest.raises(ValueError, match="empty"):
+        model.generate(**empty, max_new_tokens=2)
+    right = dict(input_ids=batch["input_ids"].flip(1), attention_mask=batch["attention_mask"].flip(1))
+    with pytest.raises(ValueError, match="padding_side = 'left'"):
+        model.generate(**right, max_new_tokens=2)
+    too_long = torch.randint(3, VOCAB, (1, 300))
+    with pytest.raises(ValueError, match="more than the model's 256 positions"):
+        model.generate(input_ids=too_long, max_new_tokens=2)

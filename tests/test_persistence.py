@@ -1,0 +1,621 @@
+"""Saving, loading and pushing Bitune adapters: checkpoint layout, exact round trips (in a fresh process, also through
+an offline Hugging Face cache), several adapters in one model, the model card, and the errors for bad checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, RepoUrl
+from huggingface_hub.errors import EntryNotFoundError
+from peft import AutoPeftModelForCausalLM, IA3Config, LoraConfig, PeftModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import peft_bitune
+from peft_bitune import BituneConfig
+from peft_bitune.hub import push_to_hub
+from conftest import COMMON, VOCAB
+from reference import make_bitune
+
+SAVED_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+# Each case: architecture, inner adapter config, BituneConfig options.
+CASES = {
+    "lora": ("llama", LoraConfig(**LORA), {}),
+    "dora": ("qwen3", LoraConfig(use_dora=True, **LORA), {}),
+    "ia3": (
+        "gemma2",
+        IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
+                  init_ia3_weights=False),
+        {},
+    ),
+    "shared": ("llama", LoraConfig(**LORA), {"shared_weights": True}),
+}
+
+
+def build(load_base, case: str, seed: int = 0):
+    arch, adapter_config, options = CASES[case]
+    return make_bitune(load_base(arch), adapter_config=adapter_config, seed=seed, **options)
+
+
+def inner_name(adapter: str, weight_set: str) -> str:
+    return peft_bitune.inner_adapter_name(adapter, weight_set)
+
+
+def batch():
+    """Left-padded rows with labels on the answers, and left-padded prompts for generation."""
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, VOCAB, (2, 11), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0
+    labels = input_ids.clone()
+    labels[:, :7] = -100
+    labels[attention_mask == 0] = -100
+    prompts = input_ids[:, :7].clone()
+    prompt_mask = attention_mask[:, :7].clone()
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                prompts=prompts, prompt_mask=prompt_mask)
+
+
+@torch.no_grad()
+def outputs(model, inputs) -> dict[str, torch.Tensor]:
+    """Training-forward logits and loss, and greedy generations, in eval mode."""
+    model.eval()
+    out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"])
+    generated = model.generate(input_ids=inputs["prompts"], attention_mask=inputs["prompt_mask"], max_new_tokens=6,
+                               do_sample=False, pad_token_id=0)
+    return {"logits": out.logits, "loss": out.loss, "generated": generated}
+
+
+def assert_identical(got: dict, want: dict, what: str = "") -> None:
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{what}{key} differs"
+
+
+def adapter_tensors(model, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """Every parameter of `adapter` in the model (both weight sets and its mixer), keyed by model name."""
+    marks = [f".{inner_name(adapter, s)}." for s in ("causal", "bidirectional")]
+    return {
+        name: param.detach().clone()
+        for name, param in model.named_parameters()
+        if any(mark in name + "." for mark in marks) or f"bitune_mixers.{adapter}." in name
+    }
+
+
+def to_checkpoint_key(model_key: str, adapter: str = "default") -> str:
+    """The documented checkpoint key of a model key: the inner adapter name becomes the weight set name."""
+    for weight_set in ("causal", "bidirectional"):
+        model_key = model_key.replace(f".{inner_name(adapter, weight_set)}", f".{weight_set}")
+    return model_key.replace(f"bitune_mixers.{adapter}.", "bitune_mixers.")
+
+
+# ------------------------------------------------------------------------------------------------------------ layout
+@pytest.mark.parametrize("case", list(CASES))
+def test_checkpoint_holds_both_weight_sets_and_the_mixing_scalars_under_adapter_free_keys(load_base, tmp_path, case):
+    model = build(load_base, case)
+    model.save_pretrained(tmp_path)
+
+    assert {p.name for p in tmp_path.iterdir()} == SAVED_FILES
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    expected = {to_checkpoint_key(name): value for name, value in adapter_tensors(model).items()}
+    assert saved.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(saved[key], expected[key]), key
+    assert "base_model.bitune_mixers.key_weights" in saved and "base_model.bitune_mixers.value_weights" in saved
+    assert not any("default" in key for key in saved)
+    sets = {"causal"} if case == "shared" else {"causal", "bidirectional"}
+    layer = "base_model.model.model.layers.0"
+    for weight_set in sets:
+        if case in ("lora", "shared"):
+            assert f"{layer}.self_attn.q_proj.lora_A.{weight_set}.weight" in saved
+        if case == "dora":
+            assert f"{layer}.self_attn.q_proj.lora_magnitude_vector.{weight_set}.weight" in saved
+        if case == "ia3":
+            assert f"{layer}.mlp.down_proj.ia3_l.{weight_set}" in saved
+    assert not any(".bidirectional" in key for key in saved) or "bidirectional" in sets
+
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["peft_type"] == "BITUNE"
+    assert config["adapter_config"]["peft_type"] == ("IA3" if case == "ia3" else "LORA")
+    bitune_config = model.peft_config["default"]
+    for field in ("mix_init", "mix_scale", "shared_weights", "second_pass_attention", "train_mixing", "task_type"):
+        assert config[field] == getattr(bitune_config, field), field
+    assert config["base_model_name_or_path"] == model.get_base_model().name_or_path
+
+
+# ------------------------------------------------------------------------------------------- fresh process and Hub
+WORKER = textwrap.dedent(
+    """
+    import json, sys, traceback
+    import torch
+    from peft import AutoPeftModelForCausalLM, PeftModel
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    spec = json.load(open(sys.argv[1]))
+    report = {"plugin_imported_before": "peft_bitune" in sys.modules, "without_plugin": {}}
+    # 1. Loading a Bitune adapter without `import peft_bitune`: the error a user sees.
+    for how in ("PeftModel", "AutoPeftModelForCausalLM"):
+        try:
+            if how == "PeftModel":
+                PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(spec["plain_base"]), spec["plain_adapter"])
+            else:
+                AutoPeftModelForCausalLM.from_pretrained(spec["plain_adapter"])
+            report["without_plugin"][how] = None
+        except Exception as error:
+            report["without_plugin"][how] = [type(error).__name__, str(error),
+                                             traceback.format_exception_only(error)[-1].strip()]
+
+    # 2. With the plugin: every job loads an adapter and records its outputs.
+    import peft_bitune
+    inputs = load_file(spec["inputs"])
+    results, states = {}, {}
+    for job in spec["jobs"]:
+        if job["loader"] == "auto":
+            model = AutoPeftModelForCausalLM.from_pretrained(job["adapter"], **job["kwargs"])
+            model.get_base_model().set_attn_implementation("eager")
+        else:
+            base = AutoModelForCausalLM.from_pretrained(job["base"], attn_implementation="eager", dtype=torch.float32)
+            model = PeftModel.from_pretrained(base, job["adapter"], **job["kwargs"])
+        model.eval()
+        with torch.no_grad():
+            out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"])
+            generated = model.generate(input_ids=inputs["prompts"], attention_mask=inputs["prompt_mask"],
+                                       max_new_tokens=6, do_sample=False, pad_token_id=0)
+        results[job["name"] + ".logits"] = out.logits.contiguous()
+        results[job["name"] + ".loss"] = out.loss.reshape(1)
+        results[job["name"] + ".generated"] = generated.contiguous()
+        states[job["name"]] = {
+            "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+            "base_model_name_or_path": model.peft_config["default"].base_model_name_or_path,
+        }
+    save_file(results, spec["outputs"])
+    report["states"] = states
+    json.dump(report, open(spec["report"], "w"))
+    """
+)
+
+
+def write_hub_snapshot(cache: Path, repo_id: str, folder: Path, commit: str, refs: tuple[str, ...] = ()) -> None:
+    """Put `folder` into an HF cache the way huggingface_hub lays it out: blobs, a snapshot of links, refs."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for file in sorted(folder.iterdir()):
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / file.name)
+    (repo / "refs").mkdir(exist_ok=True)
+    for ref in refs:
+        (repo / "refs" / ref).write_text(commit)
+
+
+def commit_hash(label: str) -> str:
+    return hashlib.sha1(label.encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def fresh_process(load_base, saved_models, tmp_path_factory):
+    """
+    Save adapters here, then load them in a new Python process (local folders, an offline HF cache, AutoPeftModel)
+    and return what that process computed next to what this one computed before saving.
+    """
+    root = tmp_path_factory.mktemp("persistence")
+    inputs = batch()
+    save_file(inputs, root / "inputs.safetensors")
+    expected, jobs = {}, []
+    for case in CASES:
+        model = build(load_base, case)
+        expected[case] = outputs(model, inputs)
+        model.save_pretrained(root / case)
+        jobs.append({"name": case, "loader": "peft", "adapter": str(root / case),
+                     "base": saved_models[CASES[case][0]], "kwargs": {}})
+    jobs.append({"name": "auto_local", "loader": "auto", "adapter": str(root / "lora"), "kwargs": {}})
+
+    # The Hub: the base model and two revisions of an adapter repo, in a cache that is only read offline.
+    cache = root / "hf_cache"
+    write_hub_snapshot(cache, "tiny/llama-base", Path(saved_models["llama"]), commit_hash("base"), refs=("main",))
+    hub_adapter = root / "hub_lora"
+    shutil.copytree(root / "lora", hub_adapter)
+    config = json.loads((hub_adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "tiny/llama-base"
+    (hub_adapter / "adapter_config.json").write_text(json.dumps(config))
+    write_hub_snapshot(cache, "user/bitune-tiny", hub_adapter, commit_hash("v1"), refs=("main",))
+    other = build(load_base, "lora", seed=1)
+    expected["v2"] = outputs(other, inputs)
+    other.save_pretrained(root / "v2")
+    write_hub_snapshot(cache, "user/bitune-tiny", root / "v2", commit_hash("v2"), refs=("v2",))
+    llama = saved_models["llama"]
+    jobs += [
+        {"name": "hub_main", "loader": "peft", "adapter": "user/bitune-tiny", "base": llama, "kwargs": {}},
+        {"name": "hub_branch", "loader": "peft", "adapter": "user/bitune-tiny", "base": llama,
+         "kwargs": {"revision": "v2"}},
+        {"name": "hub_commit", "loader": "peft", "adapter": "user/bitune-tiny", "base": llama,
+         "kwargs": {"revision": commit_hash("v1")}},
+        {"name": "hub_auto", "loader": "auto", "adapter": "user/bitune-tiny", "kwargs": {}},
+    ]
+    spec = {"jobs": jobs, "inputs": str(root / "inputs.safetensors"), "outputs": str(root / "outputs.safetensors"),
+            "report": str(root / "report.json"), "plain_base": llama, "plain_adapter": str(root / "lora")}
+    (root / "spec.json").write_text(json.dumps(spec))
+    (root / "worker.py").write_text(WORKER)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(root / "hf_home"),
+           "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"}
+    env.pop("HF_TOKEN", None)
+    done = subprocess.run([sys.executable, str(root / "worker.py"), str(root / "spec.json")], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = load_file(root / "outputs.safetensors")
+    report = json.loads((root / "report.json").read_text())
+    loaded = {job["name"]: {key: got[f"{job['name']}.{key}"] for key in ("logits", "loss", "generated")}
+              for job in jobs}
+    return expected, loaded, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_fresh_process_reproduces_logits_and_greedy_generation_bit_for_bit(fresh_process, case):
+    expected, loaded, report = fresh_process
+    want = {**expected[case], "loss": expected[case]["loss"].reshape(1)}
+    assert_identical(loaded[case], want, f"{case}: ")
+    assert report["states"][case]["trainable"] == [], "is_trainable=False must freeze every adapter parameter"
+
+
+@pytest.mark.slow
+def test_auto_peft_model_loads_the_base_model_recorded_in_the_adapter_config(fresh_process, saved_models):
+    expected, loaded, report = fresh_process
+    want = {**expected["lora"], "loss": expected["lora"]["loss"].reshape(1)}
+    assert report["states"]["auto_local"]["base_model_name_or_path"] == saved_models["llama"]
+    assert_identical(loaded["auto_local"], want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("job", "source"), [("hub_main", "lora"), ("hub_branch", "v2"), ("hub_commit", "lora"),
+                                             ("hub_auto", "lora")])
+def test_loading_by_repo_id_from_an_offline_hub_cache_honours_the_revision(fresh_process, job, source):
+    expected, loaded, _ = fresh_process
+    assert not torch.equal(expected["lora"]["logits"], expected["v2"]["logits"])  # the revisions are distinguishable
+    want = {**expected[source], "loss": expected[source]["loss"].reshape(1)}
+    assert_identical(loaded[job], want, f"{job}: ")
+
+
+@pytest.mark.slow
+def test_without_import_peft_bitune_peft_fails_with_a_key_error_naming_the_type(fresh_process):
+    _, _, report = fresh_process
+    assert report["plugin_imported_before"] is False
+    for how in ("PeftModel", "AutoPeftModelForCausalLM"):
+        name, message, line = report["without_plugin"][how]
+        assert (name, message, line) == ("KeyError", "'BITUNE'", "KeyError: 'BITUNE'"), how
+
+
+# ------------------------------------------------------------------------------------------------------- training
+def train_steps(model, steps: int, seed: int = 5) -> None:
+    """A few SGD steps on fixed random batches (SGD has no state, so a fresh optimizer continues exactly)."""
+    model.train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    for step in range(steps):
+        inputs = batch() if step % 2 == 0 else {**batch(), "input_ids": batch()["input_ids"].flip(1)}
+        loss = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                     labels=inputs["labels"]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def trainable(model) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
+
+
+def test_is_trainable_true_continues_training_exactly_as_if_never_saved(load_base, tmp_path):
+    model = build(load_base, "lora")
+    train_steps(model, 2)
+    model.save_pretrained(tmp_path)
+    before = trainable(model)
+    train_steps(model, 2)
+
+    loaded = PeftModel.from_pretrained(load_base("llama"), tmp_path, is_trainable=True)
+    assert trainable(loaded).keys() == before.keys()
+    assert any("bitune_mixers" in name for name in before) and any("__bidirectional" in name for name in before)
+    for name, value in trainable(loaded).items():
+        assert torch.equal(value, before[name]), name
+    train_steps(loaded, 2)
+    continued, reference = trainable(loaded), trainable(model)
+    for name in reference:
+        assert torch.equal(continued[name], reference[name]), name
+
+
+def test_is_trainable_false_freezes_both_weight_sets_and_the_mixing_scalars(load_base, tmp_path):
+    build(load_base, "lora").save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(load_base("llama"), tmp_path)
+    assert not any(param.requires_grad for param in loaded.parameters())
+    assert not loaded.training
+
+
+def test_frozen_mixing_stays_frozen_after_loading_for_training(load_base, tmp_path):
+    make_bitune(load_base("llama"), adapter_config=LoraConfig(**LORA), train_mixing=False).save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(load_base("llama"), tmp_path, is_trainable=True)
+    names = trainable(loaded).keys()
+    assert names and not any("bitune_mixers" in name for name in names)
+
+
+def test_load_adapter_into_the_same_adapter_restores_a_checkpoint(load_base, tmp_path):
+    """What `Trainer(resume_from_checkpoint=...)` does: load the weights into the existing, trainable adapter."""
+    saved = build(load_base, "lora")
+    saved.save_pretrained(tmp_path)
+    model = build(load_base, "lora", seed=7)
+    model.load_adapter(tmp_path, adapter_name="default", is_trainable=True)
+    want = adapter_tensors(saved)
+    for name, value in adapter_tensors(model).items():
+        assert torch.equal(value, want[name]), name
+    assert trainable(model).keys() == want.keys()
+
+
+# ----------------------------------------------------------------------------------------------- several adapters
+def test_several_bitune_adapters_load_switch_and_save_separately(load_base, tmp_path):
+    inputs = batch()
+    first, second = build(load_base, "lora", seed=0), build(load_base, "lora", seed=1)
+    want_first, want_second = outputs(first, inputs), outputs(second, inputs)
+    first.save_pretrained(tmp_path / "first")
+    second.save_pretrained(tmp_path / "second")
+
+    model = PeftModel.from_pretrained(load_base("llama"), tmp_path / "first")
+    model.load_adapter(tmp_path / "second", adapter_name="task2")
+    assert_identical(outputs(model, inputs), want_first, "default: ")
+    model.set_adapter("task2")
+    assert_identical(outputs(model, inputs), want_second, "task2: ")
+    model.set_adapter("default")
+    assert_identical(outputs(model, inputs), want_first, "default again: ")
+
+    # Saving writes each adapter on its own (PEFT's filter of other adapters does not see inner names).
+    model.save_pretrained(tmp_path / "both")
+    for folder, source in ((tmp_path / "both", tmp_path / "first"), (tmp_path / "both" / "task2", tmp_path / "second")):
+        saved, original = load_file(folder / "adapter_model.safetensors"), load_file(source / "adapter_model.safetensors")
+        assert saved.keys() == original.keys()
+        assert all(torch.equal(saved[key], original[key]) for key in saved)
+
+
+def test_an_adapter_loaded_for_training_trains_once_active(load_base, tmp_path):
+    build(load_base, "lora", seed=1).save_pretrained(tmp_path)
+    model = build(load_base, "lora")
+    model.load_adapter(tmp_path, adapter_name="task2", is_trainable=True)
+    assert not any("task2" in name for name in trainable(model))  # like PEFT: only the active adapter trains
+    model.set_adapter("task2")
+    names = trainable(model)
+    assert names and all("task2" in name for name in names)
+    assert {"__causal", "__bidirectional", "bitune_mixers"} <= {
+        mark for name in names for mark in ("__causal", "__bidirectional", "bitune_mixers") if mark in name
+    }
+
+
+# ----------------------------------------------------------------------------------------------------- model card
+def test_model_card_says_bitune_and_shows_how_to_load_it(load_base, tmp_path):
+    model = build(load_base, "lora")
+    model.peft_config["default"].base_model_name_or_path = "tiny/llama-base"  # as if loaded from the Hub
+    model.save_pretrained(tmp_path)
+    card = ModelCard.load(tmp_path / "README.md")
+    assert {"bitune", "peft", "base_model:adapter:tiny/llama-base"} <= set(card.data.tags)
+    assert card.data.base_model == "tiny/llama-base" and card.data.library_name == "peft"
+    assert "import peft, peft_bitune" in card.text
+    assert f'model = peft.AutoPeftModelForCausalLM.from_pretrained("{tmp_path}")' in card.text
+
+    # Saving again updates the section in place and keeps what the user wrote.
+    card.text += "\n## My notes\nTrained on my data.\n"
+    card.save(tmp_path / "README.md")
+    model.save_pretrained(tmp_path)
+    text = (tmp_path / "README.md").read_text()
+    assert text.count("## Bitune adapter") == 1 and "Trained on my data." in text
+
+
+def test_model_card_names_a_local_base_model_only_in_its_text(load_base, saved_models, tmp_path):
+    """The Hub accepts only repo ids as `base_model`: PEFT's local path there would make an upload fail."""
+    build(load_base, "lora").save_pretrained(tmp_path)
+    card = ModelCard.load(tmp_path / "README.md")
+    assert card.data.base_model is None
+    assert {"bitune", "peft"} <= set(card.data.tags)
+    assert not any(tag.startswith("base_model:adapter:") for tag in card.data.tags)
+    assert saved_models["llama"] in card.text
+
+
+def test_model_card_of_the_shown_loading_lines_loads_the_adapter(load_base, saved_models, tmp_path):
+    """The lines the card shows are real code: run them."""
+    build(load_base, "lora").save_pretrained(tmp_path)
+    text = ModelCard.load(tmp_path / "README.md").text
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(code, scope)  # noqa: S102 - the card's own two lines
+    assert type(scope["model"].base_model).__name__ == "BituneModel"
+
+
+# ------------------------------------------------------------------------------------------------------------- Hub
+class RecordingHubApi(HfApi):
+    """huggingface_hub's client with every call that would reach the Hub replaced by a record of it."""
+
+    def __init__(self):
+        super().__init__(token="hf_test")
+        self.calls: list[tuple[str, dict]] = []
+        self.uploaded: dict[str, bytes] = {}
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", {"repo_id": repo_id, **kwargs}))
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def create_branch(self, repo_id, **kwargs):
+        self.calls.append(("create_branch", {"repo_id": repo_id, **kwargs}))
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        """The upload call of `peft_bitune.push_to_hub`: records every file of the folder as it is at upload time."""
+        self.calls.append(("upload_folder", {"repo_id": repo_id, **kwargs}))
+        self.uploaded = saved_bytes(Path(folder_path))
+        return "commit-info"
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        """The upload call of transformers' `push_to_hub`."""
+        self.calls.append(("create_commit", {"repo_id": repo_id, **kwargs}))
+        for operation in operations:
+            assert isinstance(operation, CommitOperationAdd)
+            self.uploaded[operation.path_in_repo] = Path(operation.path_or_fileobj).read_bytes()
+        return "commit-info"
+
+
+def saved_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_push_to_hub_uploads_exactly_what_save_pretrained_writes(load_base, tmp_path):
+    model = build(load_base, "lora")
+    model.save_pretrained(tmp_path)
+    api = RecordingHubApi()
+
+    result = push_to_hub(model, "user/bitune-tiny", private=True, commit_message="Bitune r=4", api=api)
+
+    assert result == "commit-info"
+    local = saved_bytes(tmp_path)
+    assert set(api.uploaded) == set(local) == SAVED_FILES
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert api.uploaded[name] == local[name], name
+    # The card differs only in where it says to load from.
+    assert api.uploaded["README.md"].decode() == local["README.md"].decode().replace(str(tmp_path), "user/bitune-tiny")
+    calls = dict(api.calls)
+    assert calls["create_repo"]["private"] is True and calls["create_repo"]["exist_ok"] is True
+    assert calls["upload_folder"]["commit_message"] == "Bitune r=4"
+    assert "create_branch" not in calls
+
+
+def test_push_to_hub_pushes_every_adapter_and_creates_the_branch(load_base, tmp_path):
+    model = build(load_base, "lora")
+    model.add_adapter("task2", BituneConfig(adapter_config=LoraConfig(**LORA)))
+    model.save_pretrained(tmp_path)
+    api = RecordingHubApi()
+    push_to_hub(model, "user/bitune-tiny", revision="v2", api=api)
+    assert set(api.uploaded) == set(saved_bytes(tmp_path))
+    assert "task2/adapter_model.safetensors" in api.uploaded
+    assert 'subfolder="task2"' in api.uploaded["task2/README.md"].decode()
+    calls = dict(api.calls)
+    assert calls["create_branch"]["branch"] == "v2" and calls["upload_folder"]["revision"] == "v2"
+
+
+def test_stock_push_to_hub_uploads_the_adapter_but_replaces_the_card(load_base, tmp_path, monkeypatch):
+    """`model.push_to_hub` is transformers' PushToHubMixin: same adapter files, but README.md is the Hub's card."""
+    import transformers.utils.hub as transformers_hub
+
+    load_card = ModelCard.load
+
+    def no_card_on_the_hub_yet(repo_id_or_path, **kwargs):
+        if not os.path.exists(repo_id_or_path):
+            raise EntryNotFoundError("no README.md in the repo yet")
+        return load_card(repo_id_or_path, **kwargs)
+
+    api = RecordingHubApi()
+    monkeypatch.setattr(transformers_hub, "hf_api", lambda: api)
+    monkeypatch.setattr(ModelCard, "load", no_card_on_the_hub_yet)
+    model = build(load_base, "lora")
+    model.save_pretrained(tmp_path)
+
+    model.push_to_hub("user/bitune-tiny", private=True, commit_message="Bitune r=4")
+
+    local = saved_bytes(tmp_path)
+    assert set(api.uploaded) == set(local)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert api.uploaded[name] == local[name], name
+    calls = dict(api.calls)
+    assert calls["create_repo"]["private"] is True and calls["create_commit"]["commit_message"] == "Bitune r=4"
+    assert b"peft_bitune" not in api.uploaded["README.md"]  # why `peft_bitune.push_to_hub` exists
+
+
+# ---------------------------------------------------------------------------------------------------------- errors
+def other_llama(**changes):
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**COMMON, "num_key_value_heads": 2, **changes})
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"hidden_size": 48}, "does not fit this base model"),
+        ({"num_hidden_layers": 1}, "has no place for"),
+        ({"num_hidden_layers": 3}, "is incomplete"),
+    ],
+)
+def test_a_different_base_model_is_refused(load_base, tmp_path, changes, message):
+    build(load_base, "lora").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message) as error:
+        PeftModel.from_pretrained(other_llama(**changes), tmp_path)
+    assert "base model" in str(error.value)
+
+
+def edit_checkpoint(folder: Path, drop) -> None:
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(path)
+    save_file({key: value for key, value in tensors.items() if not drop(key)}, path)
+
+
+@pytest.mark.parametrize(
+    ("drop", "message"),
+    [
+        (lambda key: "bitune_mixers" in key, "lacks the mixing scalars"),
+        (lambda key: ".bidirectional." in key, "lacks weights of the bidirectional set"),
+        (lambda key: ".causal." in key, "lacks weights of the causal set"),
+        (lambda key: key.endswith("layers.1.mlp.up_proj.lora_B.causal.weight"), "lacks weights of the causal set"),
+    ],
+    ids=["mixers", "bidirectional", "causal", "one-tensor"],
+)
+def test_an_incomplete_checkpoint_is_refused_before_anything_is_loaded(load_base, tmp_path, drop, message):
+    build(load_base, "lora").save_pretrained(tmp_path)
+    edit_checkpoint(tmp_path, drop)
+    with pytest.raises(ValueError, match=message):
+        PeftModel.from_pretrained(load_base("llama"), tmp_path)
+
+    model = build(load_base, "lora", seed=4)
+    before = adapter_tensors(model)
+    with pytest.raises(ValueError, match=message):
+        model.load_adapter(tmp_path, adapter_name="default")
+    for name, value in adapter_tensors(model).items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_an_unknown_config_field_is_refused_with_the_upgrade_hint(load_base, tmp_path):
+    build(load_base, "lora").save_pretrained(tmp_path)
+    path = tmp_path / "adapter_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "future_option": True}))
+    with pytest.raises(ValueError, match=r"\['future_option'\].*pip install -U peft-bitune"):
+        PeftModel.from_pretrained(load_base("llama"), tmp_path)
+    with pytest.raises(ValueError, match=r"\['future_option'\]"):
+        AutoPeftModelForCausalLM.from_pretrained(tmp_path)
+
+    config["adapter_config"]["future_lora_option"] = 1
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"`adapter_config` of .*\['future_lora_option'\].*pip install -U peft"):
+        PeftModel.from_pretrained(load_base("llama"), tmp_path)
+
+
+def test_pickled_weights_are_never_written_or_read(load_base, tmp_path):
+    model = build(load_base, "lora")
+    with pytest.raises(ValueError, match="safetensors only"):
+        model.save_pretrained(tmp_path / "bin", safe_serialization=False)
+    assert not (tmp_path / "bin" / "adapter_config.json").exists()
+
+    model.save_pretrained(tmp_path / "pickle")
+    (tmp_path / "pickle" / "adapter_model.safetensors").unlink()
+    # Not even a valid pickle: reading it would fail differently.
+    (tmp_path / "pickle" / "adapter_model.bin").write_bytes(b"\x80\x04 not a pickle")
+    with pytest.raises(ValueError, match="never reads"):
+        PeftModel.from_pretrained(load_base("llama"), tmp_path / "pickle")
+
+
+def test_transformers_own_adapter_loading_is_refused(load_base, tmp_path):
+    """transformers' `load_adapter` would inject the layers and run the causal weights alone."""
+    build(load_base, "lora").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="shared state stored on the tuner"):
+        load_base("llama").load_adapter(str(tmp_path))

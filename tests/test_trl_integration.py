@@ -1,0 +1,524 @@
+"""`BituneSFTTrainer` / `BituneSFTConfig` / `bitune-sft`: TRL's SFT pipeline training Bitune adapters, on CPU, offline.
+
+The loss and TRL's metrics are checked against the one-row-at-a-time reference of tests/reference.py, with the
+instruction boundary taken from the labels TRL builds; training, checkpoints, resumption, checkpointing, bf16 and DDP
+are checked end to end on a tiny Llama with a local word-level tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch.nn import functional as F
+from transformers import AutoModelForCausalLM
+
+import trl_helpers as helpers
+from peft_bitune import BituneConfig, BituneModel
+from reference import reference_row
+from trl_integration import BituneSFTConfig, BituneSFTTrainer
+from trl_integration.cli import main as cli_main
+from trl_integration.cli import make_parser
+
+datasets.disable_progress_bars()
+
+IGNORE_INDEX = -100
+
+
+# ---------------------------------------------------------------------- fixtures and small helpers
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return helpers.save_model_and_tokenizer(tmp_path_factory.mktemp("trl_model"))
+
+
+def make_trainer(model_dir, output_dir, rows=None, peft_config=None, **args) -> BituneSFTTrainer:
+    rows = helpers.prompt_completion_rows(16) if rows is None else rows
+    return BituneSFTTrainer(
+        model=model_dir,
+        args=helpers.training_args(output_dir, **args),
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=helpers.build_tokenizer(),
+        peft_config=helpers.small_bitune_config() if peft_config is None else peft_config,
+    )
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def weight_set_state(model, weight_set: str) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in trainable_state(model).items() if f"default__{weight_set}" in name}
+
+
+def receives_gradient(name: str, num_layers: int = helpers.model_config().num_hidden_layers) -> bool:
+    """Every trainable weight gets a gradient except, by construction, the bidirectional weights of the last layer
+    outside its key/value projections: the bidirectional pass is used only for the keys/values it writes, and the last
+    layer's attention output and MLP feed no further layer."""
+    last_layer = f".layers.{num_layers - 1}."
+    return not ("default__bidirectional" in name and last_layer in name and not any(p in name for p in ("k_proj", "v_proj")))
+
+
+def mixer_state(model) -> torch.Tensor:
+    mixer = model.base_model.mixer
+    return torch.cat([mixer.key_weights.detach(), mixer.value_weights.detach()]).clone()
+
+
+def first_batch(trainer) -> dict[str, torch.Tensor]:
+    return next(iter(trainer.get_train_dataloader()))
+
+
+def randomize_adapters(model, seed: int = 0) -> None:
+    """Non-trivial, different weight sets and mixing scalars (LoRA's B starts at zero otherwise)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.requires_grad:
+                parameter.copy_(0.002 + 0.05 * torch.rand(parameter.shape, generator=generator))
+
+
+def reference_statistics(model, batch) -> dict[str, float]:
+    """Loss, DFT loss, entropy and top-1 accuracy over the supervised tokens, one row at a time with the reference
+    forward; each row's instruction is its tokens before the first supervised label, as the labels define it."""
+    entropies, correct, nll, dft = [], [], [], []
+    for row in range(batch["input_ids"].shape[0]):
+        length = int(batch["attention_mask"][row].sum())
+        tokens, labels = batch["input_ids"][row, :length], batch["labels"][row, :length]
+        supervised = (labels != IGNORE_INDEX).nonzero().flatten()
+        prompt_length = int(supervised[0])
+        assert bool((labels[prompt_length:] != IGNORE_INDEX).all()), "single-turn rows supervise the whole answer"
+        logits, _ = reference_row(model, tokens, prompt_length)
+        log_probs = F.log_softmax(logits[:-1].float(), dim=-1)  # predictions of tokens[prompt_length:]
+        targets = tokens[prompt_length:]
+        target_log_probs = log_probs.gather(1, targets[:, None]).squeeze(1)
+        nll += (-target_log_probs).tolist()
+        dft += (-target_log_probs * target_log_probs.exp()).tolist()
+        entropies += (-(log_probs.exp() * log_probs).sum(-1)).tolist()
+        correct += (log_probs.argmax(-1) == targets).tolist()
+    count = len(nll)
+    return {
+        "loss": sum(nll) / count,
+        "dft_loss": sum(dft) / count,
+        "entropy": sum(entropies) / count,
+        "mean_token_accuracy": sum(correct) / count,
+    }
+
+
+# ---------------------------------------------------------------------- config
+def test_config_makes_checkpointing_non_reentrant(tmp_path):
+    config = BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True)
+    assert config.gradient_checkpointing is True  # TRL's default, kept
+    assert config.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    config = BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing_kwargs={"every_n_layers": 1})
+    assert config.gradient_checkpointing_kwargs == {"every_n_layers": 1, "use_reentrant": False}
+    with pytest.raises(ValueError, match="non-reentrant gradient checkpointing"):
+        BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+@pytest.mark.parametrize("setting", ["packing", "padding_free", "eval_packing"])
+def test_config_refuses_packing_and_padding_free(tmp_path, setting):
+    with pytest.raises(ValueError, match=f"`{setting}=True` is not supported by Bitune"):
+        BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, **{setting: True})
+
+
+def test_config_refuses_a_negative_per_layer_interval(tmp_path):
+    with pytest.raises(ValueError, match="mixing_logging_steps"):
+        BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, mixing_logging_steps=-1)
+
+
+# ---------------------------------------------------------------------- refusals before any work
+# The model path does not exist: these must fail before anything is loaded.
+def never_loaded(tmp_path) -> str:
+    return str(tmp_path / "never-loaded")
+
+
+def test_refuses_a_non_bitune_peft_config(tmp_path):
+    with pytest.raises(ValueError, match=r"must be a `BituneConfig`, got LoraConfig.*BituneConfig\(adapter_config="):
+        make_trainer(never_loaded(tmp_path), tmp_path, peft_config=LoraConfig(r=4))
+
+
+def test_refuses_a_peft_model_with_another_adapter(tmp_path, model_dir):
+    lora_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=4))
+    with pytest.raises(ValueError, match="LoraConfig adapter; BituneSFTTrainer trains Bitune adapters"):
+        BituneSFTTrainer(
+            model=lora_model,
+            args=helpers.training_args(tmp_path),
+            train_dataset=datasets.Dataset.from_list(helpers.prompt_completion_rows(4)),
+            processing_class=helpers.build_tokenizer(),
+        )
+
+
+@pytest.mark.parametrize(
+    ("rows", "args", "message"),
+    [
+        ([{"text": "what is 1 plus 2 ? 3"}], {}, r"columns \['text'\]: plain-text language modelling data"),
+        (helpers.conversation_rows(2), {}, "Set `assistant_only_loss=True`"),
+        (helpers.prompt_completion_rows(2), {"completion_only_loss": False}, "`completion_only_loss=False` supervises"),
+        ([{"input_ids": [1, 27, 28]}], {}, "is tokenized but has no `labels` column"),
+        ([{"prompt": "what is", "completion": " 1", "images": []}], {}, "holds images"),
+    ],
+    ids=["text", "conversation-without-assistant-only-loss", "completion-only-loss-off", "tokenized-no-labels", "vision"],
+)
+def test_refuses_data_without_an_instruction_boundary(tmp_path, rows, args, message):
+    with pytest.raises(ValueError, match=message) as error:
+        make_trainer(never_loaded(tmp_path), tmp_path, rows=rows, **args)
+    if "Formats that work" in str(error.value):
+        assert "prompt-completion rows" in str(error.value) and "assistant_only_loss=True" in str(error.value)
+
+
+def test_refuses_a_formatting_function(tmp_path):
+    with pytest.raises(ValueError, match="`formatting_func` turns every row into plain text"):
+        BituneSFTTrainer(
+            model=never_loaded(tmp_path),
+            args=helpers.training_args(tmp_path),
+            train_dataset=datasets.Dataset.from_list(helpers.prompt_completion_rows(2)),
+            processing_class=helpers.build_tokenizer(),
+            formatting_func=lambda row: row["prompt"] + row["completion"],
+        )
+
+
+def test_refuses_deepspeed_zero3_with_gradient_checkpointing(tmp_path):
+    args = helpers.training_args(tmp_path, gradient_checkpointing=True)
+    args.deepspeed_plugin = types.SimpleNamespace(zero_stage=3)  # what `--deepspeed zero3.json` leaves on the args
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO-3 with gradient checkpointing is not supported"):
+        BituneSFTTrainer(
+            model=never_loaded(tmp_path),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(helpers.prompt_completion_rows(2)),
+            processing_class=helpers.build_tokenizer(),
+        )
+
+
+def test_refuses_fsdp_activation_checkpointing(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")  # set by `accelerate launch --fsdp_activation_checkpointing`
+    with pytest.raises(ValueError, match="FSDP's own activation checkpointing"):
+        make_trainer(never_loaded(tmp_path), tmp_path)
+
+
+def test_refuses_tokenized_rows_whose_labels_mark_no_instruction(tmp_path, model_dir):
+    rows = [
+        {"input_ids": [1, 27, 28, 13, 14], "labels": [-100, -100, -100, 13, 14]},
+        {"input_ids": [1, 27, 28, 13], "labels": [1, 27, 28, 13]},  # supervised from the first token
+    ]
+    with pytest.raises(ValueError, match=r"Rows \[1\] of `train_dataset` have no instruction"):
+        make_trainer(model_dir, tmp_path, rows=rows)
+
+
+# ---------------------------------------------------------------------- the model the trainer builds
+def test_peft_config_defaults_to_bitune_config(tmp_path, model_dir):
+    trainer = BituneSFTTrainer(
+        model=model_dir,
+        args=helpers.training_args(tmp_path),
+        train_dataset=datasets.Dataset.from_list(helpers.prompt_completion_rows(4)),
+        processing_class=helpers.build_tokenizer(),
+    )
+    assert isinstance(trainer.model.base_model, BituneModel)
+    config, default = trainer.model.peft_config["default"], BituneConfig()
+    assert isinstance(config, BituneConfig)
+    for field in ("mix_init", "mix_scale", "shared_weights", "second_pass_attention", "train_mixing"):
+        assert getattr(config, field) == getattr(default, field)
+    assert (config.adapter_config.r, config.adapter_config.lora_alpha) == (8, 16)
+    trainable = trainable_state(trainer.model)
+    assert weight_set_state(trainer.model, "causal") and weight_set_state(trainer.model, "bidirectional")
+    assert any("bitune_mixers" in name for name in trainable)
+
+
+# ---------------------------------------------------------------------- loss and TRL's metrics
+@pytest.fixture(scope="module")
+def random_adapter_trainer(model_dir, tmp_path_factory):
+    adapter = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    trainer = make_trainer(
+        model_dir, tmp_path_factory.mktemp("metrics"), peft_config=BituneConfig(adapter_config=adapter)
+    )
+    randomize_adapters(trainer.model)
+    return trainer
+
+
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_loss_and_metrics_match_the_reference_forward(random_adapter_trainer, loss_type):
+    trainer = random_adapter_trainer
+    batch = first_batch(trainer)
+    assert bool((batch["attention_mask"] == 0).any()), "the batch must hold right-padded rows"
+    trainer.args.loss_type = loss_type
+    trainer._metrics["train"].clear()
+    try:
+        with torch.no_grad():
+            loss = trainer.compute_loss(trainer.model, dict(batch))
+    finally:
+        trainer.args.loss_type = "nll"
+    expected = reference_statistics(trainer.model, batch)
+    assert loss.item() == pytest.approx(expected["loss" if loss_type == "nll" else "dft_loss"], abs=1e-5)
+    assert trainer._metrics["train"]["entropy"][-1] == pytest.approx(expected["entropy"], abs=1e-5)
+    assert trainer._metrics["train"]["mean_token_accuracy"][-1] == pytest.approx(expected["mean_token_accuracy"])
+    assert trainer._metrics["train"]["num_tokens"][-1] >= int(batch["attention_mask"].sum())
+
+
+def test_accuracy_metric_counts_correct_predictions(random_adapter_trainer):
+    """Accuracy on random weights is near zero; make some predictions right to check the metric sees them."""
+    trainer = random_adapter_trainer
+    batch = first_batch(trainer)
+    with torch.no_grad():
+        logits = trainer.model(**batch).logits
+    predicted = batch["labels"].clone()
+    predicted[:, 1:] = torch.where(batch["labels"][:, 1:] != IGNORE_INDEX, logits[:, :-1].argmax(-1), IGNORE_INDEX)
+    trainer._metrics["train"].clear()
+    with torch.no_grad():
+        trainer.compute_loss(trainer.model, {**batch, "labels": predicted})
+    assert trainer._metrics["train"]["mean_token_accuracy"][-1] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("conversation_format", ["messages", "prompt-completion"])
+def test_single_turn_conversations_train_on_the_assistant_answer(tmp_path, model_dir, conversation_format):
+    rows = helpers.conversation_rows(8)
+    if conversation_format == "prompt-completion":
+        rows = [{"prompt": row["messages"][:1], "completion": row["messages"][1:]} for row in rows]
+    adapter = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    trainer = make_trainer(
+        model_dir, tmp_path, rows=rows, peft_config=BituneConfig(adapter_config=adapter),
+        assistant_only_loss=conversation_format == "messages",
+    )
+    randomize_adapters(trainer.model)
+    batch = first_batch(trainer)
+    tokenizer = helpers.build_tokenizer()
+    for row in range(batch["input_ids"].shape[0]):
+        first = int((batch["labels"][row] != IGNORE_INDEX).nonzero()[0])
+        # The instruction the model reads ends with the assistant marker; the answer is the assistant's words.
+        assert tokenizer.convert_ids_to_tokens(int(batch["input_ids"][row, first - 1])) == "<|assistant|>"
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+    assert loss.item() == pytest.approx(reference_statistics(trainer.model, batch)["loss"], abs=1e-5)
+
+
+def test_multi_turn_rows_reach_the_model_with_all_their_segments(tmp_path, model_dir):
+    """The trainer passes several instruction/answer segments through unchanged; the core decides what to do."""
+    trainer = make_trainer(model_dir, tmp_path, rows=helpers.conversation_rows(4, turns=2), assistant_only_loss=True)
+    batch = first_batch(trainer)
+    supervised = batch["labels"] != IGNORE_INDEX
+    segment_starts = supervised[:, 1:] & ~supervised[:, :-1]
+    assert segment_starts.sum(dim=1).tolist() == [2] * batch["input_ids"].shape[0]
+    seen = {}
+    original_forward = trainer.model.forward
+
+    def spy(**inputs):
+        seen.update(inputs)
+        return original_forward(**inputs)
+
+    trainer.model.forward = spy
+    try:
+        trainer.compute_loss(trainer.model, dict(batch))
+    except ValueError as error:  # the core refuses multi-turn rows until it supports them, with its own message
+        assert "multi-turn" in str(error)
+    finally:
+        del trainer.model.forward
+    assert torch.equal(seen["labels"], batch["labels"]) and torch.equal(seen["input_ids"], batch["input_ids"])
+
+
+# ---------------------------------------------------------------------- training
+@pytest.fixture(scope="module")
+def trained(model_dir, tmp_path_factory):
+    """Six steps of training, with the state before and after, and the mean loss on the training rows before/after."""
+    rows = helpers.prompt_completion_rows(16)
+    trainer = BituneSFTTrainer(
+        model=model_dir,
+        args=helpers.training_args(tmp_path_factory.mktemp("trained"), max_steps=6, mixing_logging_steps=2),
+        train_dataset=datasets.Dataset.from_list(rows),
+        eval_dataset=datasets.Dataset.from_list(rows),
+        processing_class=helpers.build_tokenizer(),
+        peft_config=helpers.small_bitune_config(),
+    )
+    before = {
+        "causal": weight_set_state(trainer.model, "causal"),
+        "bidirectional": weight_set_state(trainer.model, "bidirectional"),
+        "mixer": mixer_state(trainer.model),
+        "eval_loss": trainer.evaluate()["eval_loss"],
+    }
+    trainer.train()
+    after = {
+        "causal": weight_set_state(trainer.model, "causal"),
+        "bidirectional": weight_set_state(trainer.model, "bidirectional"),
+        "mixer": mixer_state(trainer.model),
+        "eval_loss": trainer.evaluate()["eval_loss"],
+    }
+    return trainer, before, after
+
+
+def test_training_reduces_the_loss_and_changes_both_weight_sets_and_the_mixing(trained):
+    trainer, before, after = trained
+    assert after["eval_loss"] < before["eval_loss"] - 0.05
+    for weight_set in ("causal", "bidirectional"):
+        assert before[weight_set]
+        for name in before[weight_set]:
+            changed = not torch.equal(before[weight_set][name], after[weight_set][name])
+            assert changed == receives_gradient(name), name
+    assert bool((before["mixer"] != after["mixer"]).all())
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+
+
+def test_mixing_coefficients_are_logged(trained):
+    trainer = trained[0]
+    train_logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert all("bitune/alpha_keys_mean" in log and "bitune/alpha_values_mean" in log for log in train_logs)
+    per_layer_steps = [log["step"] for log in train_logs if "bitune/alpha_keys/layer_0" in log]
+    assert per_layer_steps == [1, 3, 5]  # the first log, then every `mixing_logging_steps=2` steps
+    for log in trainer.state.log_history:
+        if "loss" not in log:  # eval logs and the end-of-training summary carry no mixing values
+            assert not any(key.startswith("bitune/") for key in log)
+    # The last log was written after the last optimizer step: it holds the final coefficients.
+    coefficients = trainer.model.base_model.get_mixing_coefficients()
+    assert train_logs[-1]["bitune/alpha_keys_mean"] == pytest.approx(coefficients["keys"].mean().item())
+    assert train_logs[-1]["bitune/alpha_values_mean"] == pytest.approx(coefficients["values"].mean().item())
+    last_per_layer = [log for log in train_logs if "bitune/alpha_keys/layer_0" in log][-1]
+    assert last_per_layer["step"] == 5 and last_per_layer["bitune/alpha_values/layer_1"] != last_per_layer[
+        "bitune/alpha_values/layer_0"
+    ]
+    assert "entropy" in train_logs[-1] and "mean_token_accuracy" in train_logs[-1]
+
+
+def test_save_model_writes_an_adapter_peft_loads_back(trained, model_dir, tmp_path):
+    trainer = trained[0]
+    trainer.save_model(str(tmp_path))
+    saved_config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved_config["peft_type"] == "BITUNE"
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(tmp_path))
+    assert isinstance(loaded.base_model, BituneModel)
+    loaded_state = {name: p for name, p in loaded.named_parameters()}
+    for name, value in trainable_state(trainer.model).items():
+        assert torch.equal(loaded_state[name], value), name
+    batch = first_batch(trainer)
+    trainer.model.eval()
+    with torch.no_grad():
+        expected = trainer.model(**batch).logits
+        actual = loaded.eval()(**batch).logits
+    trainer.model.train()
+    torch.testing.assert_close(actual, expected)
+
+
+@pytest.fixture(scope="module")
+def plain_run(model_dir, tmp_path_factory):
+    """Two fp32 steps without gradient checkpointing, saving a checkpoint after each: the baseline of the
+    resumption, checkpointing and bf16 tests."""
+    trainer = make_trainer(model_dir, tmp_path_factory.mktemp("plain"), max_steps=2, save_strategy="steps", save_steps=1)
+    trainer.train()
+    return trainer
+
+
+def test_resume_from_checkpoint_gives_the_weights_of_an_uninterrupted_run(plain_run, tmp_path, model_dir):
+    resumed = make_trainer(model_dir, tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    resumed.train(resume_from_checkpoint=str(Path(plain_run.args.output_dir) / "checkpoint-1"))
+    assert resumed.state.global_step == 2
+    expected, actual = trainable_state(plain_run.model), trainable_state(resumed.model)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=1e-7, msg=name)
+
+
+def test_gradient_checkpointing_trains_like_plain_training(plain_run, tmp_path, model_dir):
+    checkpointed = make_trainer(model_dir, tmp_path, max_steps=2, gradient_checkpointing=True)
+    checkpointed.train()
+    layers = [m for m in checkpointed.model.modules() if hasattr(m, "gradient_checkpointing")]
+    assert layers and all(layer.gradient_checkpointing for layer in layers)
+    expected, actual = trainable_state(plain_run.model), trainable_state(checkpointed.model)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bf16_training_with_checkpointing(plain_run, tmp_path, model_dir):
+    trainer = make_trainer(model_dir, tmp_path, max_steps=2, bf16=True, gradient_checkpointing=True)
+    before = trainable_state(trainer.model)
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    fp32_losses = [log["loss"] for log in plain_run.state.log_history if "loss" in log]
+    # The first loss is computed before any update: bf16 autocast must give nearly the fp32 value.
+    assert losses[0] == pytest.approx(fp32_losses[0], rel=2e-2)
+    after = trainable_state(trainer.model)
+    assert all(torch.equal(before[name], after[name]) != receives_gradient(name) for name in before)
+    assert trainer.model.base_model.mixer.key_weights.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------- distributed
+@pytest.mark.slow
+def test_ddp_on_two_processes_matches_one_process(tmp_path, model_dir):
+    """`accelerate launch` with 2 CPU processes (gloo), 2 rows each, against one process with 4 rows per step.
+
+    On CPU, accelerate starts several processes only through its torchrun launcher (`--multi_gpu`); with
+    `use_cpu=True` the processes then train with DistributedType.MULTI_CPU over gloo.
+    """
+    steps = 3
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+        str(Path(helpers.__file__)), model_dir, str(tmp_path / "ddp"), "2", str(steps),
+    ]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    distributed = json.loads((tmp_path / "ddp" / "log_history.json").read_text())
+    single = helpers.run_training(model_dir, str(tmp_path / "single"), per_device_train_batch_size=4, max_steps=steps)
+    distributed_logs = [log for log in distributed if "loss" in log]
+    single_logs = [log for log in single if "loss" in log]
+    assert len(distributed_logs) == len(single_logs) == steps
+    for ours, theirs in zip(distributed_logs, single_logs):
+        assert ours["epoch"] == theirs["epoch"]  # the same global batch of 4 rows per step
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-3)
+        assert ours["num_tokens"] == theirs["num_tokens"]
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="accelerate runs FSDP only on accelerators (on CPU it falls back to plain DDP); needs 2 GPUs",
+)
+def test_fsdp_on_two_gpus_matches_one_process(tmp_path, model_dir):
+    """On a machine with 2 GPUs: FSDP2 with one unit per decoder layer, against a single process."""
+    steps = 3
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--use_fsdp", "--fsdp_version", "2", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+        "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer",
+        "--fsdp_state_dict_type", "FULL_STATE_DICT",
+        str(Path(helpers.__file__)), model_dir, str(tmp_path / "fsdp"), "2", str(steps), json.dumps({"use_cpu": False}),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    sharded = [log for log in json.loads((tmp_path / "fsdp" / "log_history.json").read_text()) if "loss" in log]
+    single = [log for log in helpers.run_training(model_dir, str(tmp_path / "single"), 4, steps) if "loss" in log]
+    for ours, theirs in zip(sharded, single, strict=True):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-3)
+        assert ours["bitune/alpha_keys_mean"] == pytest.approx(theirs["bitune/alpha_keys_mean"], rel=1e-3)
+
+
+# ---------------------------------------------------------------------- command line
+def test_cli_trains_and_saves_a_bitune_adapter(tmp_path, model_dir):
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "train.jsonl", "w") as file:
+        for row in helpers.prompt_completion_rows(8):
+            file.write(json.dumps(row) + "\n")
+    output = tmp_path / "out"
+    cli_main([
+        "--model_name_or_path", model_dir, "--dataset_name", str(data), "--output_dir", str(output),
+        "--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2", "--bf16", "false",
+        "--gradient_checkpointing", "false", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
+        "--lora_r", "4", "--mix_init", "0.02", "--second_pass_attention", "causal",
+    ])
+    saved = json.loads((output / "adapter_config.json").read_text())
+    assert saved["peft_type"] == "BITUNE"
+    assert saved["mix_init"] == 0.02 and saved["second_pass_attention"] == "causal"
+    assert saved["adapter_config"]["r"] == 4 and saved["adapter_config"]["lora_alpha"] == 16  # Bitune's default alpha
+    assert saved["adapter_config"]["target_modules"] == "all-linear"
+    assert (output / "adapter_model.safetensors").exists()
+
+
+def test_cli_parser_offers_trl_and_bitune_flags():
+    help_text = make_parser().format_help()
+    for flag in ("--model_name_or_path", "--dataset_name", "--lora_r", "--assistant_only_loss", "--mix_init",
+                 "--shared_weights", "--mixing_logging_steps"):
+        assert flag in help_text

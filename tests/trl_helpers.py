@@ -1,0 +1,153 @@
+"""Local building blocks for the TRL tests: a word-level tokenizer with a chat template, a tiny model saved next to it
+(so that a model path alone is enough, as for `bitune-sft`), and small prompt-completion / conversational datasets.
+Nothing is downloaded."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|end|>"]
+NUMBERS = [str(n) for n in range(20)]
+WORDS = ["what", "is", "plus", "minus", "?", "answer", ":", "the", "and", "then", "count", "to", "say"]
+VOCAB = SPECIAL_TOKENS + NUMBERS + WORDS
+
+# Generation markers let TRL's `assistant_only_loss` find the assistant tokens.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<|user|> {{ message['content'] }} <|end|> "
+    "{% else %}<|assistant|> {% generation %}{{ message['content'] }} <|end|>{% endgeneration %} {% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer that prepends `<s>` to every text, with a chat template."""
+    vocab = {token: index for index, token in enumerate(VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|user|>", "<|assistant|>", "<|end|>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def model_config() -> LlamaConfig:
+    tokenizer_vocab = len(VOCAB)
+    return LlamaConfig(
+        vocab_size=tokenizer_vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+
+
+def save_model_and_tokenizer(directory: str | Path) -> str:
+    """Write a tiny random Llama and the tokenizer into one directory (usable as `model_name_or_path`)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config())
+    model.save_pretrained(directory)
+    build_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
+def arithmetic_rows(count: int, seed: int = 0) -> list[tuple[str, str]]:
+    """(question, answer) pairs of different lengths, e.g. ("what is 3 plus 4 ?", "7")."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randrange(10), rng.randrange(10)
+        if rng.random() < 0.5:
+            rows.append((f"what is {a} plus {b} ?", f"{a + b}"))
+        else:
+            end = rng.randrange(2, 6)
+            rows.append((f"count to {end} and then say {a} ?", " ".join(str(n) for n in range(1, end + 1))))
+    return rows
+
+
+def prompt_completion_rows(count: int, seed: int = 0) -> list[dict[str, str]]:
+    """Standard prompt-completion rows; the completion starts with a space, as in the paper's templates."""
+    return [{"prompt": f"{question} answer :", "completion": f" {answer}"} for question, answer in arithmetic_rows(count, seed)]
+
+
+def conversation_rows(count: int, turns: int = 1, seed: int = 0) -> list[dict[str, list[dict[str, str]]]]:
+    """Conversational language-modelling rows (`messages`) with `turns` user/assistant exchanges each."""
+    pairs = arithmetic_rows(count * turns, seed)
+    rows = []
+    for start in range(0, len(pairs), turns):
+        messages = []
+        for question, answer in pairs[start : start + turns]:
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        rows.append({"messages": messages})
+    return rows
+
+
+# ---------------------------------------------------------------------- a training run, also under `accelerate launch`
+def small_bitune_config():
+    """LoRA r=4 on every linear layer for both weight sets; a small, fast Bitune adapter."""
+    from peft import LoraConfig
+
+    from peft_bitune import BituneConfig
+
+    return BituneConfig(adapter_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
+def training_args(output_dir: str | Path, **overrides):
+    """Fast, deterministic CPU settings (fp32, no checkpointing, no saving, log every step)."""
+    from trl_integration import BituneSFTConfig
+
+    settings = dict(
+        output_dir=str(output_dir), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2, bf16=False,
+        gradient_checkpointing=False, report_to=[], logging_steps=1, save_strategy="no", use_cpu=True,
+        disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )
+    settings.update(overrides)
+    return BituneSFTConfig(**settings)
+
+
+def run_training(model_dir: str, output_dir: str, per_device_train_batch_size: int, max_steps: int, rows: int = 16,
+                 **overrides) -> list[dict]:
+    """Train on prompt-completion rows and return the trainer's log history."""
+    from datasets import Dataset
+
+    from trl_integration import BituneSFTTrainer
+
+    trainer = BituneSFTTrainer(
+        model=model_dir,
+        args=training_args(output_dir, per_device_train_batch_size=per_device_train_batch_size, max_steps=max_steps,
+                           **overrides),
+        train_dataset=Dataset.from_list(prompt_completion_rows(rows)),
+        processing_class=build_tokenizer(),
+        peft_config=small_bitune_config(),
+    )
+    trainer.train()
+    return trainer.state.log_history
+
+
+if __name__ == "__main__":
+    # `accelerate launch ... tests/trl_helpers.py MODEL_DIR OUTPUT_DIR PER_DEVICE_BATCH MAX_STEPS [JSON overrides]`:
+    # trains, then the main process writes the log history to OUTPUT_DIR/log_history.json.
+    import json
+    import sys
+
+    model_dir, output_dir, batch_size, steps = sys.argv[1:5]
+    overrides = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    history = run_training(model_dir, output_dir, int(batch_size), int(steps), **overrides)
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        Path(output_dir, "log_history.json").write_text(json.dumps(history))
