@@ -81,14 +81,16 @@ class PassCacheLayer(CacheLayerMixin):
         return -1
 
 
-def recording_cache(num_layers: int) -> Cache:
-    """A cache that records each layer's keys/values of one prompt pass."""
-    return Cache(layers=[PassCacheLayer(record=True) for _ in range(num_layers)])
-
-
-def prefix_cache(keys: list[torch.Tensor], values: list[torch.Tensor]) -> Cache:
-    """A read-only cache that offers fixed per-layer keys/values to the pass that reads it."""
-    return Cache(layers=[PassCacheLayer(k, v) for k, v in zip(keys, values)])
+def pass_cache(
+    num_layers: int,
+    keys: list[torch.Tensor] | None = None,
+    values: list[torch.Tensor] | None = None,
+    record: bool = False,
+) -> Cache:
+    """A cache for one training pass: optional fixed per-layer prefix keys/values, optionally recording the pass."""
+    if keys is None:
+        return Cache(layers=[PassCacheLayer(record=record) for _ in range(num_layers)])
+    return Cache(layers=[PassCacheLayer(k, v, record=record) for k, v in zip(keys, values)])
 
 
 def recorded_key_values(cache: Cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

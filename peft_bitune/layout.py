@@ -1,45 +1,101 @@
-"""Where each row's instruction and answer are, and how to gather them into the batches of the three passes.
+"""Where each row's instructions and answers are, and how to gather them into the batches of the passes.
 
-A training row is `padding? | instruction x_1..x_P | answer | padding?`. Bitune prefills x_1..x_{P-1} twice and runs
-x_P plus the answer causally over the mixed cache. Rows have different P, so the rows are re-laid out, all at once:
+A training row is `padding? | instruction | answer | (instruction | answer)* | padding?`. For each instruction segment
+x_1..x_m, Bitune prefills x_1..x_{m-1} twice and runs x_m plus the following answer causally over the cache so far.
+Rows have different segment lengths, so each pass gets its own batch ("chunk"), gathered from the input for all rows
+at once:
 
-- the prefill batch holds x_1..x_{P-1} left-padded, so every row's instruction ends at the same column;
-- the answer batch holds x_P, answer right-padded, so every row continues right where its prefix ends.
+- the first prefill chunk is left-padded, so every row's instruction ends at the same column;
+- later chunks are right-padded, so each row continues right where its cache ends.
 
-Concatenating the two masks gives each row one contiguous run of real tokens, which is all that transformers' mask
-machinery (padding, sliding windows) needs. Positions are the ordinary 0..n-1 of each row.
+The caller keeps its cache left-aligned (real tokens at the right end, see `compact`), so cache plus chunk always gives
+each row one contiguous run of real tokens: all that transformers' mask machinery (padding, sliding windows) needs.
+Positions are the ordinary 0..n-1 of each row.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 IGNORE_INDEX = -100
+Alignment = Literal["left", "right"]
+MultiTurnMode = Literal["alternating", "history"]
 
 
 @dataclass(frozen=True)
-class PromptAnswerLayout:
+class Chunk:
     """
-    Gather indices and masks for the prefill and answer batches of one training batch.
+    One pass's batch, as gather indices into the input.
 
-    All tensors have batch size B. `prefill_*` are of shape (B, Lp) with Lp the longest x_1..x_{P-1}; `answer_*` are of
-    shape (B, La) with La the longest x_P..end. `*_index` point into the input's sequence dimension; `*_mask` is 1 on
-    real tokens; `answer_labels` holds, at each answer position, the token it must predict (or -100).
+    All tensors are of shape (rows, width). `index` points into the input's sequence dimension (clamped on padding),
+    `mask` is 1 on real tokens, `positions` are the tokens' ordinary position ids, and `labels` (answer chunks only)
+    holds at each position the token it must predict, or -100.
     """
 
-    prefill_index: torch.Tensor
-    prefill_mask: torch.Tensor
-    prefill_positions: torch.Tensor
-    answer_index: torch.Tensor
-    answer_mask: torch.Tensor
-    answer_positions: torch.Tensor
-    answer_labels: torch.Tensor | None
+    index: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    labels: torch.Tensor | None = None
 
     @property
-    def prefill_length(self) -> int:
-        return self.prefill_index.shape[1]
+    def width(self) -> int:
+        return self.index.shape[1]
+
+    @classmethod
+    def take(
+        cls,
+        row_starts: torch.Tensor,
+        starts: torch.Tensor,
+        lengths: torch.Tensor,
+        align: Alignment,
+        seq_len: int,
+        labels: torch.Tensor | None = None,
+    ) -> Chunk:
+        """Tokens `starts[i] .. starts[i] + lengths[i] - 1` of each row i, padded on the `align` side."""
+        width = int(lengths.max()) if lengths.numel() else 0
+        columns = torch.arange(width, device=starts.device)[None, :]
+        if align == "left":
+            offsets = columns - (width - lengths)[:, None]  # negative on padding
+        else:
+            offsets = columns.expand(len(starts), -1)
+        mask = (offsets >= 0) & (offsets < lengths[:, None])
+        raw_index = starts[:, None] + offsets
+        index = raw_index.clamp(0, seq_len - 1)
+        positions = (raw_index - row_starts[:, None]).clamp(min=0)
+        chunk_labels = None
+        if labels is not None:
+            has_target = mask & (offsets + 1 < lengths[:, None])
+            chunk_labels = labels.gather(1, (raw_index + 1).clamp(0, seq_len - 1)).masked_fill(~has_target, IGNORE_INDEX)
+        return cls(index=index, mask=mask.long(), positions=positions, labels=chunk_labels)
+
+    def gather(self, sequence: torch.Tensor) -> torch.Tensor:
+        """This chunk of `sequence` (input ids (rows, T) or embeddings (rows, T, H))."""
+        if sequence.dim() == 2:
+            return sequence.gather(1, self.index)
+        return sequence.gather(1, self.index[:, :, None].expand(-1, -1, sequence.shape[-1]))
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One instruction/answer pair of a batch: its prefill chunk (x_1..x_{m-1}) and its answer chunk (x_m, answer).
+
+    `rows` selects the batch rows this turn runs on (`None`: all rows; rows without this turn are all padding).
+    """
+
+    prefill: Chunk
+    answer: Chunk
+    rows: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ConversationLayout:
+    """The turns of a training batch, in the order Bitune runs them."""
+
+    turns: list[Turn]
+    mode: MultiTurnMode
 
     @classmethod
     def from_inputs(
@@ -49,8 +105,9 @@ class PromptAnswerLayout:
         labels: torch.Tensor | None,
         prompt_mask: torch.Tensor | None,
         device: torch.device,
-    ) -> PromptAnswerLayout:
-        """Validate the inputs and derive the layout; raises `ValueError` on input Bitune cannot train on."""
+        mode: MultiTurnMode = "alternating",
+    ) -> ConversationLayout:
+        """Validate the inputs and derive the turns; raises `ValueError` on input Bitune cannot train on."""
         batch_size, seq_len = sequence_shape[0], sequence_shape[1]
         for name, tensor in (("attention_mask", attention_mask), ("labels", labels), ("prompt_mask", prompt_mask)):
             if tensor is not None and tuple(tensor.shape) != (batch_size, seq_len):
@@ -60,107 +117,123 @@ class PromptAnswerLayout:
                 )
         if labels is None and prompt_mask is None:
             raise ValueError(
-                "Bitune needs the instruction/answer boundary of every row: pass `labels` (the instruction is the "
-                "unsupervised tokens, labels == -100, before the first supervised one) or a `prompt_mask` "
+                "Bitune needs the instruction/answer boundary of every row: pass `labels` (instruction tokens are "
+                "the unsupervised ones, labels == -100, before each supervised answer) or a `prompt_mask` "
                 "(1 on instruction tokens)."
             )
-        if attention_mask is None:
-            valid = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
-        else:
+        valid = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
+        if attention_mask is not None:
             valid = attention_mask.to(device).bool()
-        starts, lengths = _contiguous_runs(valid)
-
+        row_starts, row_lengths = _contiguous_runs(valid)
         if prompt_mask is not None:
-            prompt = prompt_mask.to(device).bool() & valid
-            prompt_lengths = prompt.sum(dim=1)
-            _check_rows(prompt != _run_mask(starts, prompt_lengths, seq_len), "`prompt_mask` must mark one run of "
-                        "instruction tokens at the start of each row, followed by its answer; rows {rows} mark "
-                        "something else (several instruction segments are multi-turn data, not supported yet)")
-            effective_labels = None
-            if labels is not None:
-                effective_labels = labels.to(device).masked_fill(prompt | ~valid, IGNORE_INDEX)
+            is_answer = valid & ~prompt_mask.to(device).bool()
+            boundary = "`prompt_mask`"
         else:
-            supervised = (labels.to(device) != IGNORE_INDEX) & valid
-            _check_rows(~supervised.any(dim=1), "rows {rows} have no supervised token (all labels are -100): "
-                        "there is no answer to train on")
-            positions = torch.arange(seq_len, device=device)
-            first_supervised = torch.where(supervised, positions, seq_len).amin(dim=1)
-            last_supervised = torch.where(supervised, positions, -1).amax(dim=1)
-            prompt_lengths = first_supervised - starts
-            inside = (positions >= first_supervised[:, None]) & (positions <= last_supervised[:, None])
-            _check_rows((inside & ~supervised).any(dim=1), "rows {rows} have unsupervised tokens between supervised "
-                        "ones, i.e. several instruction/answer segments (multi-turn data), which is not supported "
-                        "yet; pass a `prompt_mask` to choose one boundary")
-            effective_labels = labels.to(device).masked_fill(~valid, IGNORE_INDEX)
-
-        _check_rows(prompt_lengths == 0, "rows {rows} have no instruction: their first token is already part of the "
-                    "answer. Bitune reads an instruction before the answer; add one (e.g. a BOS token or a template)")
-        _check_rows(prompt_lengths >= lengths, "rows {rows} have no answer token after the instruction")
-        return cls._build(starts, lengths, prompt_lengths, effective_labels, seq_len)
-
-    @classmethod
-    def _build(
-        cls,
-        starts: torch.Tensor,
-        lengths: torch.Tensor,
-        prompt_lengths: torch.Tensor,
-        labels: torch.Tensor | None,
-        seq_len: int,
-    ) -> PromptAnswerLayout:
-        device = starts.device
-        prefill_lengths = prompt_lengths - 1  # x_1..x_{P-1}
-        answer_lengths = lengths - prefill_lengths  # x_P..end
-        prefill_width = int(prefill_lengths.max())
-        answer_width = int(answer_lengths.max())
-
-        columns = torch.arange(prefill_width, device=device)
-        offsets = columns[None, :] - (prefill_width - prefill_lengths)[:, None]  # [B, Lp], negative on padding
-        prefill_mask = offsets >= 0
-        prefill_index = (starts[:, None] + offsets).clamp(0, seq_len - 1)
-        prefill_positions = offsets.clamp(min=0)
-
-        columns = torch.arange(answer_width, device=device)
-        answer_mask = columns[None, :] < answer_lengths[:, None]  # [B, La]
-        answer_index = (starts + prefill_lengths)[:, None] + columns[None, :]
-        answer_positions = prefill_lengths[:, None] + columns[None, :]
-
-        answer_labels = None
+            is_answer = valid & (labels.to(device) != IGNORE_INDEX)
+            boundary = "`labels`"
+        effective_labels = None
         if labels is not None:
-            target_index = (answer_index + 1).clamp(max=seq_len - 1)
-            has_target = columns[None, :] + 1 < answer_lengths[:, None]
-            answer_labels = labels.gather(1, target_index).masked_fill(~has_target, IGNORE_INDEX)
-        return cls(
-            prefill_index=prefill_index,
-            prefill_mask=prefill_mask.long(),
-            prefill_positions=prefill_positions,
-            answer_index=answer_index.clamp(max=seq_len - 1),
-            answer_mask=answer_mask.long(),
-            answer_positions=answer_positions,
-            answer_labels=answer_labels,
-        )
+            effective_labels = labels.to(device).masked_fill(~is_answer, IGNORE_INDEX)
 
-    def gather_prefill(self, sequence: torch.Tensor) -> torch.Tensor:
-        """The prefill batch of `sequence` (input ids (B, T) or embeddings (B, T, H))."""
-        return _gather(sequence, self.prefill_index)
+        _check_rows(~is_answer.any(dim=1), "rows {rows} have no answer token (by " + boundary + "): there is "
+                    "nothing to train on")
+        _check_rows(is_answer.gather(1, row_starts[:, None])[:, 0], "rows {rows} start with an answer token (by "
+                    + boundary + "): Bitune reads an instruction before each answer; add one (e.g. a BOS token or a "
+                    "prompt template)")
+        segment_starts, segment_lengths = _segments(valid, is_answer)
+        if mode == "history":
+            turns = _history_turns(row_starts, segment_starts, segment_lengths, seq_len, effective_labels)
+        else:
+            turns = _alternating_turns(row_starts, segment_starts, segment_lengths, seq_len, effective_labels)
+        return cls(turns=turns, mode=mode)
 
-    def gather_answer(self, sequence: torch.Tensor) -> torch.Tensor:
-        """The answer batch of `sequence` (input ids (B, T) or embeddings (B, T, H))."""
-        return _gather(sequence, self.answer_index)
-
-    def scatter_answer(self, answer_values: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """Put per-answer-position values (B, La, ...) back at their input positions of a zero (B, T, ...) tensor."""
-        batch_size = answer_values.shape[0]
-        out = answer_values.new_zeros((batch_size, seq_len, *answer_values.shape[2:]))
-        real = self.answer_mask.bool()
-        rows = torch.arange(batch_size, device=real.device)[:, None].expand_as(real)
-        out[rows[real], self.answer_index[real]] = answer_values[real]
+    def scatter_answers(self, answer_values: list[torch.Tensor], batch_size: int, seq_len: int) -> torch.Tensor:
+        """Put each turn's per-answer-position values (rows, width, ...) back at their input positions of a zero
+        (batch_size, seq_len, ...) tensor."""
+        first = answer_values[0]
+        out = first.new_zeros((batch_size, seq_len, *first.shape[2:]))
+        for turn, values in zip(self.turns, answer_values):
+            real = turn.answer.mask.bool()
+            rows = turn.rows if turn.rows is not None else torch.arange(real.shape[0], device=real.device)
+            row_index = rows[:, None].expand_as(real)
+            out[row_index[real], turn.answer.index[real]] = values[real]
         return out
 
 
-def _gather(sequence: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    if sequence.dim() == 2:
-        return sequence.gather(1, index)
-    return sequence.gather(1, index[:, :, None].expand(-1, -1, sequence.shape[-1]))
+def _segments(valid: torch.Tensor, is_answer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    Start and length of every segment of every row, as (batch, 2 * turns) tensors: even columns are instructions,
+    odd columns answers. Unsupervised tokens after the last answer change nothing (no answer follows them), so they
+    are run with that answer rather than as an instruction of their own.
+    """
+    batch_size, seq_len = valid.shape
+    changes = torch.zeros_like(valid)
+    changes[:, 1:] = (is_answer[:, 1:] != is_answer[:, :-1]) & valid[:, 1:] & valid[:, :-1]
+    segment = changes.long().cumsum(dim=1)
+    last = torch.where(valid, segment, -1).amax(dim=1)
+    trailing_instruction = (last % 2 == 0)[:, None] & (segment == last[:, None])
+    segment = torch.where(trailing_instruction, segment - 1, segment)
+    num_segments = int(torch.where(valid, segment, -1).max()) + 1
+    segment = torch.where(valid, segment, num_segments)  # padding goes to a column that is dropped below
+    positions = torch.arange(seq_len, device=valid.device).expand(batch_size, -1)
+    starts = torch.full((batch_size, num_segments + 1), seq_len, device=valid.device, dtype=torch.long)
+    starts = starts.scatter_reduce(1, segment, positions, reduce="amin")
+    lengths = torch.zeros(batch_size, num_segments + 1, device=valid.device, dtype=torch.long)
+    lengths = lengths.scatter_add(1, segment, torch.ones_like(positions))
+    return starts[:, :num_segments], lengths[:, :num_segments]
+
+
+def _turn_bounds(segment_starts, segment_lengths, turn):
+    instruction_start = segment_starts[:, 2 * turn]
+    instruction_length = segment_lengths[:, 2 * turn]
+    answer_length = segment_lengths[:, 2 * turn + 1]
+    has_turn = answer_length > 0
+    last_instruction = instruction_start + instruction_length - 1
+    return has_turn, instruction_start, instruction_length, last_instruction, answer_length
+
+
+def _alternating_turns(row_starts, segment_starts, segment_lengths, seq_len, labels) -> list[Turn]:
+    turns = []
+    for turn in range(segment_starts.shape[1] // 2):
+        has_turn, start, length, last, answer_length = _turn_bounds(segment_starts, segment_lengths, turn)
+        prefill_lengths = torch.where(has_turn, length - 1, 0)
+        answer_lengths = torch.where(has_turn, answer_length + 1, 0)
+        turns.append(Turn(
+            prefill=Chunk.take(row_starts, start.clamp(max=seq_len - 1), prefill_lengths,
+                               "left" if turn == 0 else "right", seq_len),
+            answer=Chunk.take(row_starts, last.clamp(max=seq_len - 1), answer_lengths, "right", seq_len, labels),
+        ))
+    return turns
+
+
+def _history_turns(row_starts, segment_starts, segment_lengths, seq_len, labels) -> list[Turn]:
+    turns = []
+    for turn in range(segment_starts.shape[1] // 2):
+        has_turn, _, _, last, answer_length = _turn_bounds(segment_starts, segment_lengths, turn)
+        rows = has_turn.nonzero().flatten()
+        starts = row_starts[rows]
+        sub_labels = labels[rows] if labels is not None else None
+        turns.append(Turn(
+            prefill=Chunk.take(starts, starts, last[rows] - starts, "left", seq_len),
+            answer=Chunk.take(starts, last[rows], answer_length[rows] + 1, "right", seq_len, sub_labels),
+            rows=rows,
+        ))
+    return turns
+
+
+def compact_left(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """
+    Move each row's real positions to the right end (padding first, order kept) and drop columns that are padding
+    in every row. `mask` is (rows, seq); each tensor is (rows, heads, seq, head_dim). Returns the mask, then tensors.
+    """
+    order = torch.sort(mask.int(), dim=1, stable=True).indices
+    drop = int((mask == 0).sum(dim=1).min())
+    order = order[:, drop:]
+    compacted = [mask.gather(1, order)]
+    for tensor in tensors:
+        index = order[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+        compacted.append(tensor.gather(2, index))
+    return tuple(compacted)
 
 
 def _run_mask(starts: torch.Tensor, lengths: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
@@ -16,9 +17,9 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .caches import mix_into_dynamic_cache, mix_recorded, prefix_cache, recording_cache
+from .caches import mix_into_dynamic_cache, pass_cache, mix_recorded, recorded_key_values
 from .config import BituneConfig
-from .layout import IGNORE_INDEX, PromptAnswerLayout
+from .layout import IGNORE_INDEX, Chunk, ConversationLayout, Turn, compact_left
 from .mixing import BituneKVMixer
 from .persistence import BituneCheckpointMixin
 from .registration import BITUNE_PREFIX
@@ -345,39 +346,65 @@ class BituneModel(BituneCheckpointMixin, BaseTuner):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         sequence = input_ids if input_ids is not None else inputs_embeds
-        layout = PromptAnswerLayout.from_inputs(
-            sequence.shape, attention_mask, labels, prompt_mask, device=sequence.device
+        layout = ConversationLayout.from_inputs(
+            sequence.shape, attention_mask, labels, prompt_mask, device=sequence.device,
+            mode=self.peft_config[self.active_adapter].multi_turn,
         )
+        is_embeds = input_ids is None
         with self._checkpointing_keeps_caches():
-            prefix = self._prefill_for_training(layout, sequence, is_embeds=input_ids is None)
-            answer_logits = self._answer_pass(layout, sequence, prefix, is_embeds=input_ids is None, **kwargs)
+            if layout.mode == "history":
+                answer_logits = [self._run_turns([turn], sequence[turn.rows], is_embeds, **kwargs)[0]
+                                 for turn in layout.turns]
+            else:
+                answer_logits = self._run_turns(layout.turns, sequence, is_embeds, **kwargs)
         loss = None
-        if layout.answer_labels is not None:
-            loss = _answer_loss(answer_logits, layout.answer_labels, num_items_in_batch)
-        logits = layout.scatter_answer(answer_logits, sequence.shape[1])
+        if labels is not None:
+            loss = _answer_loss(answer_logits, [turn.answer.labels for turn in layout.turns], num_items_in_batch)
+        logits = layout.scatter_answers(answer_logits, sequence.shape[0], sequence.shape[1])
         return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _run_turns(self, turns: list[Turn], sequence: torch.Tensor, is_embeds: bool, **kwargs: Any) -> list[torch.Tensor]:
+        """
+        Run instruction/answer turns in order over one growing cache; returns each turn's answer logits
+        (rows, width, vocab).
+
+        Per turn: both prompt passes over x_1..x_{m-1} on top of the cache so far, their mix appended to the cache;
+        then x_m and the answer causally, their causal keys/values appended for the next turn. The cache is kept
+        left-aligned (see `compact_left`) so that every pass sees one contiguous run of real tokens per row.
+        """
+        cache: _TrainingCache | None = None
+        logits = []
+        for number, turn in enumerate(turns):
+            is_last = number == len(turns) - 1
+            if turn.prefill.width > 0:
+                keys, values = self._mixed_prefill(turn.prefill, sequence, cache, is_embeds)
+                cache = _TrainingCache.extend(cache, keys, values, turn.prefill.mask)
+            turn_logits, recorded = self._answer_pass(turn.answer, sequence, cache, is_embeds, record=not is_last,
+                                                      **kwargs)
+            logits.append(turn_logits)
+            if not is_last:
+                cache = _TrainingCache.extend(cache, *recorded, turn.answer.mask)
+        return logits
 
     def _sequence_kwargs(self, tokens: torch.Tensor, is_embeds: bool) -> dict[str, torch.Tensor]:
         return {"inputs_embeds": tokens} if is_embeds else {"input_ids": tokens}
 
-    def _prefill_for_training(
-        self, layout: PromptAnswerLayout, sequence: torch.Tensor, is_embeds: bool
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """Steps 1-3: both prompt passes over x_1..x_{P-1}, then the mix. `None` when every prompt is one token."""
-        if layout.prefill_length == 0:
-            return None
-        tokens = self._sequence_kwargs(layout.gather_prefill(sequence), is_embeds)
-        caches = {}
+    def _mixed_prefill(
+        self, chunk: Chunk, sequence: torch.Tensor, cache: _TrainingCache | None, is_embeds: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Steps 1-3 for one instruction segment: both prompt passes over its chunk, then the per-layer mix."""
+        tokens = self._sequence_kwargs(chunk.gather(sequence), is_embeds)
+        recorded = {}
         for weight_set in (BIDIRECTIONAL, CAUSAL):
-            caches[weight_set] = recording_cache(_num_layers(self.model))
+            recorded[weight_set] = _pass_cache(cache, self.model, record=True)
             self._prompt_pass(
                 weight_set,
-                caches[weight_set],
-                attention_mask=layout.prefill_mask,
-                position_ids=layout.prefill_positions,
+                recorded[weight_set],
+                attention_mask=_pass_attention_mask(cache, chunk),
+                position_ids=chunk.positions,
                 **tokens,
             )
-        return mix_recorded(caches[CAUSAL], caches[BIDIRECTIONAL], self.mixer)
+        return mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer)
 
     def _prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: torch.Tensor) -> None:
         """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used)."""
@@ -387,29 +414,26 @@ class BituneModel(BituneCheckpointMixin, BaseTuner):
 
     def _answer_pass(
         self,
-        layout: PromptAnswerLayout,
+        chunk: Chunk,
         sequence: torch.Tensor,
-        prefix: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
+        cache: _TrainingCache | None,
         is_embeds: bool,
+        record: bool,
         **kwargs: Any,
-    ) -> torch.Tensor:
-        """Step 4: x_P and the answer, causal weights, over the mixed prefix. Returns logits (B, La, vocab)."""
-        tokens = self._sequence_kwargs(layout.gather_answer(sequence), is_embeds)
-        if prefix is None:
-            cache, attention_mask = None, layout.answer_mask
-        else:
-            cache = prefix_cache(*prefix)
-            attention_mask = torch.cat([layout.prefill_mask, layout.answer_mask], dim=1)
+    ) -> tuple[torch.Tensor, tuple[list[torch.Tensor], list[torch.Tensor]] | None]:
+        """Step 4: x_m and the answer, causal weights, over the cache. Returns logits and, if `record`, the chunk's
+        causal keys/values."""
+        pass_cache = _pass_cache(cache, self.model, record=record)
         with self.weights(CAUSAL):
             output = self.model(
-                attention_mask=attention_mask,
-                position_ids=layout.answer_positions,
-                past_key_values=cache,
+                attention_mask=_pass_attention_mask(cache, chunk),
+                position_ids=chunk.positions,
+                past_key_values=pass_cache,
                 use_cache=False,
-                **tokens,
+                **self._sequence_kwargs(chunk.gather(sequence), is_embeds),
                 **kwargs,
             )
-        return output.logits
+        return output.logits, (recorded_key_values(pass_cache) if record else None)
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -476,17 +500,57 @@ class BituneModel(BituneCheckpointMixin, BaseTuner):
 
 
 def _answer_loss(
-    logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None
+    logits: list[torch.Tensor], labels: list[torch.Tensor], num_items_in_batch: int | torch.Tensor | None
 ) -> torch.Tensor:
-    """Next-token cross-entropy, summed over supervised answer positions and averaged like transformers does."""
-    loss = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    """Next-token cross-entropy, summed over the supervised answer positions of every turn, averaged like
+    transformers does (over `num_items_in_batch` when the Trainer gives it)."""
+    loss = sum(
+        F.cross_entropy(
+            turn_logits.float().reshape(-1, turn_logits.shape[-1]),
+            turn_labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        for turn_logits, turn_labels in zip(logits, labels)
     )
     if num_items_in_batch is None:
-        num_items_in_batch = (labels != IGNORE_INDEX).sum()
+        num_items_in_batch = sum((turn_labels != IGNORE_INDEX).sum() for turn_labels in labels)
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
+
+
+@dataclass
+class _TrainingCache:
+    """The keys/values a training batch has built so far: one tensor per layer, left-aligned, with its mask."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    mask: torch.Tensor
+
+    @classmethod
+    def extend(
+        cls, cache: _TrainingCache | None, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor
+    ) -> _TrainingCache:
+        """Append a chunk; a right-padded chunk after a cache is re-aligned to the left (a gather per layer)."""
+        if cache is None:
+            return cls(keys, values, mask)
+        mask = torch.cat([cache.mask, mask], dim=1)
+        keys = [torch.cat([old, new], dim=-2) for old, new in zip(cache.keys, keys)]
+        values = [torch.cat([old, new], dim=-2) for old, new in zip(cache.values, values)]
+        compacted = compact_left(mask, *keys, *values)
+        count = len(keys)
+        return cls(list(compacted[1 : 1 + count]), list(compacted[1 + count :]), compacted[0])
+
+
+def _pass_cache(cache: _TrainingCache | None, model: nn.Module, record: bool) -> Cache:
+    if cache is None:
+        return pass_cache(_num_layers(model), record=record)
+    return pass_cache(_num_layers(model), cache.keys, cache.values, record=record)
+
+
+def _pass_attention_mask(cache: _TrainingCache | None, chunk: Chunk) -> torch.Tensor:
+    return chunk.mask if cache is None else torch.cat([cache.mask, chunk.mask], dim=1)
 
 
 def _decoder(model: nn.Module) -> nn.Module:
