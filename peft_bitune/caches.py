@@ -15,6 +15,8 @@ transformers builds the sliding mask from the config over absolute positions.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
@@ -31,9 +33,12 @@ class PassCacheLayer(CacheLayerMixin):
         prefix_keys, prefix_values (`torch.Tensor`, *optional*): keys/values every query of the pass may attend to
             before its own chunk (the mixed prompt cache in the answer pass). `None` for no prefix.
         record (`bool`): whether `update` keeps the chunk it is given (the prompt passes do, the answer pass does not).
+        offset (`int`): positions seen before the prefix (a sliding-window layer of a generation cache keeps only its
+            window); the mask is built over absolute positions.
+        is_sliding (`bool`): mirrors the layer it reads from, so transformers sizes each mask type from a layer of
+            that type.
     """
 
-    is_sliding = False
     is_compileable = False
 
     def __init__(
@@ -41,8 +46,12 @@ class PassCacheLayer(CacheLayerMixin):
         prefix_keys: torch.Tensor | None = None,
         prefix_values: torch.Tensor | None = None,
         record: bool = False,
+        offset: int = 0,
+        is_sliding: bool = False,
     ) -> None:
         super().__init__()
+        self.offset = offset
+        self.is_sliding = is_sliding
         self.prefix_keys = prefix_keys
         self.prefix_values = prefix_values
         self.record = record
@@ -72,10 +81,10 @@ class PassCacheLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         # What a query of this pass sees before its own chunk; the recorded chunk is output, not past.
-        return self._prefix_length()
+        return self.offset + self._prefix_length()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._prefix_length() + query_length, 0
+        return self._prefix_length() + query_length, self.offset
 
     def get_max_length(self) -> int:
         return -1
@@ -91,6 +100,36 @@ def pass_cache(
     if keys is None:
         return Cache(layers=[PassCacheLayer(record=record) for _ in range(num_layers)])
     return Cache(layers=[PassCacheLayer(k, v, record=record) for k, v in zip(keys, values)])
+
+
+def reading_pass_cache(cache: DynamicCache) -> Cache:
+    """A recording pass cache over a generation cache: the pass attends to everything `cache` holds (each layer's
+    window, for sliding layers) and records its own keys/values, leaving `cache` untouched."""
+    layers = []
+    for layer in cache.layers:
+        held = layer.keys.shape[-2]
+        layers.append(PassCacheLayer(layer.keys, layer.values, record=True, offset=layer.get_seq_length() - held,
+                                     is_sliding=getattr(layer, "is_sliding", False)))
+    return Cache(layers=layers)
+
+
+class BituneCache(DynamicCache):
+    """
+    The generation cache of a Bitune conversation.
+
+    It is a transformers `DynamicCache` and remembers how many input columns of the conversation it stands for
+    (`conversation_length`, the width of the last `generate` output), so that the next turn knows where the previous
+    answer ends and the new instruction begins.
+    """
+
+    def __init__(self, *args, owner: torch.nn.Module | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.conversation_length = 0
+        self._owner = weakref.ref(owner) if owner is not None else None
+
+    def belongs_to(self, model: torch.nn.Module) -> bool:
+        """Whether this cache was made by `model` (the keys of another model would fit its shapes by accident)."""
+        return self._owner is not None and self._owner() is model
 
 
 def recorded_key_values(cache: Cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
@@ -13,12 +13,13 @@ from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 from torch.nn import functional as F
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .caches import mix_into_dynamic_cache, pass_cache, mix_recorded, recorded_key_values
+from .caches import mix_recorded, pass_cache, recorded_key_values
 from .config import BituneConfig
+from .generation import BituneGenerationMixin, text_config
 from .layout import IGNORE_INDEX, Chunk, ConversationLayout, Turn, compact_left
 from .mixing import BituneKVMixer
 from .persistence import BituneCheckpointMixin
@@ -36,7 +37,7 @@ def inner_adapter_name(adapter_name: str, weight_set: WeightSet) -> str:
     return f"{adapter_name}{_INNER_SEPARATOR}{weight_set}"
 
 
-class BituneModel(BituneCheckpointMixin, BaseTuner):
+class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
     """
     Bitune (bidirectional instruction tuning) on top of any PEFT method that supports several adapters.
 
@@ -435,69 +436,6 @@ class BituneModel(BituneCheckpointMixin, BaseTuner):
             )
         return output.logits, (recorded_key_values(pass_cache) if record else None)
 
-    # ------------------------------------------------------------------ generation
-    @torch.no_grad()
-    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None) -> DynamicCache:
-        """
-        Read left-padded prompts twice and return the mixed cache of every prompt minus its last token.
-
-        The result is a transformers `DynamicCache` holding `input_ids.shape[1] - 1` positions; pass it to `generate`
-        (with the full `input_ids`) or continue with forward calls (causal weights).
-
-        Args:
-            input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the prompts, left-padded.
-            attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
-        """
-        attention_mask = _check_generation_prompts(input_ids, attention_mask, _max_positions(self.model))
-        return self._prefill_cache(input_ids, attention_mask)
-
-    def _prefill_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DynamicCache:
-        prompt_ids, prompt_mask = input_ids[:, :-1], attention_mask[:, :-1]
-        position_ids = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
-        caches = {}
-        for weight_set in (BIDIRECTIONAL, CAUSAL):
-            caches[weight_set] = DynamicCache(config=self.model.config)
-            if prompt_ids.shape[1] > 0:
-                self._prompt_pass(
-                    weight_set,
-                    caches[weight_set],
-                    input_ids=prompt_ids,
-                    attention_mask=prompt_mask,
-                    position_ids=position_ids,
-                )
-        if prompt_ids.shape[1] == 0:
-            return caches[CAUSAL]
-        return mix_into_dynamic_cache(caches[CAUSAL], caches[BIDIRECTIONAL], self.mixer)
-
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """
-        Bitune generation: prefill the prompt twice and mix (steps 1-3), then transformers' own `generate` decodes
-        with the causal weights from the mixed cache. Every `generate` argument works as in transformers. The whole
-        non-padding input is the instruction; prompts must be left-padded.
-        """
-        if self._adapters_disabled():
-            return self.model.generate(*args, **kwargs)
-        if args:
-            if "input_ids" in kwargs or len(args) > 1:
-                raise TypeError("Pass the prompt once, as `input_ids`; other `generate` arguments by keyword.")
-            kwargs["input_ids"] = args[0]
-        if kwargs.get("past_key_values") is not None:
-            raise NotImplementedError(
-                "Continuing a conversation from a cache (multi-turn Bitune generation) is not supported yet; pass the "
-                "whole conversation as the prompt instead."
-            )
-        input_ids = kwargs.get("input_ids")
-        if input_ids is None:
-            raise ValueError("Bitune `generate` needs `input_ids`: the prompt is read twice by token.")
-        attention_mask = _check_generation_prompts(input_ids, kwargs.get("attention_mask"), _max_positions(self.model))
-        kwargs["attention_mask"] = attention_mask
-        with torch.no_grad():
-            cache = self._prefill_cache(input_ids, attention_mask)
-        expand = _generation_expand_size(self.model, kwargs)
-        if expand > 1:
-            cache.batch_repeat_interleave(expand)
-        return self.model.generate(past_key_values=cache, **kwargs)
-
 
 def _answer_loss(
     logits: list[torch.Tensor], labels: list[torch.Tensor], num_items_in_batch: int | torch.Tensor | None
@@ -558,17 +496,8 @@ def _decoder(model: nn.Module) -> nn.Module:
     return model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
 
 
-def _text_config(model: nn.Module) -> Any:
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _num_layers(model: nn.Module) -> int:
-    return _text_config(model).num_hidden_layers
-
-
-def _max_positions(model: nn.Module) -> int | None:
-    return getattr(_text_config(model), "max_position_embeddings", None)
+    return text_config(model).num_hidden_layers
 
 
 def _check_model_supported(model: nn.Module) -> None:
@@ -583,51 +512,9 @@ def _check_model_supported(model: nn.Module) -> None:
         raise ValueError(
             f"Bitune tunes decoder-only models; {type(model).__name__} is an encoder-decoder model."
         )
-    if not getattr(model, "_supports_cache_class", True) or getattr(_text_config(model), "use_cache", None) is None:
+    if not getattr(model, "_supports_cache_class", True) or getattr(text_config(model), "use_cache", None) is None:
         raise ValueError(
             f"Bitune reads the prompt into a KV cache, and {type(model).__name__} has no KV cache support."
         )
-    if not hasattr(_text_config(model), "num_hidden_layers"):
+    if not hasattr(text_config(model), "num_hidden_layers"):
         raise ValueError(f"Cannot find `num_hidden_layers` in the config of {type(model).__name__}.")
-
-
-def _check_generation_prompts(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_positions: int | None
-) -> torch.Tensor:
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"`input_ids` must be a non-empty (batch_size, seq_len) tensor, got shape {tuple(input_ids.shape)}.")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
-        )
-    valid = attention_mask.bool()
-    lengths = valid.sum(dim=1)
-    if bool((lengths == 0).any()):
-        rows = (lengths == 0).nonzero().flatten().tolist()
-        raise ValueError(f"Prompt rows {rows} are empty (attention_mask all 0); every prompt needs at least one token.")
-    if not bool(valid[:, -1].all()):
-        rows = (~valid[:, -1]).nonzero().flatten().tolist()
-        raise ValueError(
-            f"Prompt rows {rows} are right-padded. Bitune generation continues every prompt from its last token, so "
-            "prompts must be left-padded: set `tokenizer.padding_side = 'left'`."
-        )
-    starts = valid.int().argmax(dim=1)
-    expected = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] >= starts[:, None]
-    if bool((valid != expected).any()):
-        raise ValueError("Prompts have padding between real tokens; pad on the left only.")
-    if max_positions is not None and int(lengths.max()) > max_positions:
-        raise ValueError(
-            f"A prompt has {int(lengths.max())} tokens, more than the model's {max_positions} positions; shorten it "
-            "(nothing is truncated silently)."
-        )
-    return attention_mask
-
-
-def _generation_expand_size(model: nn.Module, kwargs: dict[str, Any]) -> int:
-    """How many sequences `generate` makes of each prompt (its own rule: max(num_beams, num_return_sequences))."""
-    generation_config = kwargs.get("generation_config") or model.generation_config
-    num_beams = kwargs.get("num_beams", generation_config.num_beams) or 1
-    num_return_sequences = kwargs.get("num_return_sequences", generation_config.num_return_sequences) or 1
-    return max(num_beams, num_return_sequences)

@@ -1,0 +1,240 @@
+"""Bitune generation: prefill the prompt twice, mix the caches, then let transformers' own `generate` decode.
+
+Also continues a conversation from the cache of an earlier turn (paper A.8, alternating): the previous answer's last
+token runs causally, the new instruction minus its last token is read twice over the whole cache and mixed, and
+`generate` decodes from there. Mixed into `BituneModel`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .caches import BituneCache, mix_into_dynamic_cache, mix_recorded, reading_pass_cache
+
+CAUSAL, BIDIRECTIONAL = "causal", "bidirectional"
+
+
+class BituneGenerationMixin:
+    """`prefill` and `generate` of `BituneModel`."""
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None) -> BituneCache:
+        """
+        Read left-padded prompts twice and return the mixed cache of every prompt minus its last token.
+
+        The result is a `BituneCache` (a transformers `DynamicCache`) holding `input_ids.shape[1] - 1` positions; pass
+        it to `generate` with the full `input_ids`, or continue with forward calls (causal weights).
+
+        Args:
+            input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the prompts, left-padded.
+            attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
+        """
+        attention_mask = _check_prompts(input_ids, attention_mask, _max_positions(self.model))
+        return self._prefill_cache(input_ids, attention_mask)
+
+    def _prefill_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> BituneCache:
+        prompt_ids, prompt_mask = input_ids[:, :-1], attention_mask[:, :-1]
+        caches = {weight_set: BituneCache(config=self.model.config, owner=self.model) for weight_set in (BIDIRECTIONAL, CAUSAL)}
+        caches[CAUSAL].conversation_length = prompt_ids.shape[1]
+        if prompt_ids.shape[1] == 0:
+            return caches[CAUSAL]
+        for weight_set, cache in caches.items():
+            self._prompt_pass(
+                weight_set, cache, input_ids=prompt_ids, attention_mask=prompt_mask,
+                position_ids=_positions(prompt_mask),
+            )
+        return mix_into_dynamic_cache(caches[CAUSAL], caches[BIDIRECTIONAL], self.mixer)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """
+        Bitune generation. Every argument of transformers' `generate` works as there.
+
+        Without `past_key_values`, the whole non-padding input is the instruction: prompts must be left-padded.
+        With `past_key_values` (the cache of an earlier Bitune `generate`, e.g. `output.past_key_values` with
+        `return_dict_in_generate=True`), `input_ids` is the conversation so far (the earlier output sequences)
+        followed by the new instruction, left-padded within the new part; only the new part is read.
+        """
+        if self._adapters_disabled():
+            return self.model.generate(*args, **kwargs)
+        if args:
+            if "input_ids" in kwargs or len(args) > 1:
+                raise TypeError("Pass the prompt once, as `input_ids`; other `generate` arguments by keyword.")
+            kwargs["input_ids"] = args[0]
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None:
+            raise ValueError("Bitune `generate` needs `input_ids`: the prompt is read twice by token.")
+        cache = kwargs.pop("past_key_values", None)
+        expand = _generation_expand_size(self.model, kwargs)
+        if cache is None:
+            attention_mask = _check_prompts(input_ids, kwargs.get("attention_mask"), _max_positions(self.model))
+            with torch.no_grad():
+                cache = self._prefill_cache(input_ids, attention_mask)
+            if expand > 1:
+                cache.batch_repeat_interleave(expand)
+        else:
+            attention_mask = self._check_conversation(cache, input_ids, kwargs.get("attention_mask"), expand)
+            with torch.no_grad():
+                self._continue_conversation(cache, input_ids, attention_mask)
+        kwargs["attention_mask"] = attention_mask
+        output = self.model.generate(past_key_values=cache, **kwargs)
+        sequences = output.sequences if hasattr(output, "sequences") else output
+        cache.conversation_length = sequences.shape[1]
+        return output
+
+    def _check_conversation(
+        self, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, expand: int
+    ) -> torch.Tensor:
+        """Refuse, before any compute, a cache or input that cannot continue this conversation."""
+        if not isinstance(cache, BituneCache):
+            raise ValueError(
+                f"`past_key_values` must be the cache of an earlier Bitune `generate` or `prefill` of this model "
+                f"(a BituneCache), got {type(cache).__name__}. Bitune needs to know where the previous answer ends."
+            )
+        config = text_config(self.model)
+        if not cache.belongs_to(self.model):
+            raise ValueError(
+                "`past_key_values` was made by another model: continue a conversation with the model that started it."
+            )
+        if len(cache.layers) != config.num_hidden_layers:
+            raise ValueError(
+                f"`past_key_values` has {len(cache.layers)} layers but this model has {config.num_hidden_layers}: "
+                "it belongs to another model."
+            )
+        layer = cache.layers[0]
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if layer.keys is not None and tuple(layer.keys.shape[1:2]) + tuple(layer.keys.shape[3:]) != (heads, head_dim):
+            raise ValueError(
+                f"`past_key_values` holds keys of shape {tuple(layer.keys.shape)}, which does not fit this model "
+                f"({heads} key/value heads of size {head_dim}): it belongs to another model."
+            )
+        if layer.keys is not None and layer.keys.shape[0] != input_ids.shape[0]:
+            raise ValueError(
+                f"`past_key_values` holds {layer.keys.shape[0]} sequences but `input_ids` has {input_ids.shape[0]} "
+                "rows; continue each conversation with exactly one row."
+            )
+        if expand > 1:
+            raise NotImplementedError(
+                "Continuing a conversation supports one sequence per row (`num_beams=1`, `num_return_sequences=1`)."
+            )
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
+            )
+        answered = cache.conversation_length
+        if not cache.get_seq_length() <= answered < input_ids.shape[1]:
+            raise ValueError(
+                f"`input_ids` ({input_ids.shape[1]} columns) must be the conversation so far ({answered} columns: "
+                "the previous output sequences) followed by the new instruction."
+            )
+        if not bool(attention_mask[:, -1].bool().all()):
+            raise ValueError("The new instruction must be left-padded: every row must end with a real token.")
+        if any(cache.is_sliding) and _has_holes(attention_mask):
+            raise ValueError(
+                "This model has sliding-window layers, whose window is counted in cache columns, and the conversation "
+                "has padding between real tokens (rows whose turns have different lengths). Continue such "
+                "conversations one row at a time, or pad the new instructions to equal lengths."
+            )
+        max_positions = _max_positions(self.model)
+        if max_positions is not None and int(attention_mask.sum(dim=1).max()) > max_positions:
+            raise ValueError(
+                f"The conversation is longer than the model's {max_positions} positions (nothing is truncated "
+                "silently); start a new conversation or shorten it."
+            )
+        return attention_mask
+
+    def _continue_conversation(self, cache: BituneCache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Bring `cache` to the new instruction's last token: the previous answer's tail causally, then the new
+        instruction minus its last token read twice over the whole cache, mixed and appended."""
+        positions = _positions(attention_mask)
+        past, answered, width = cache.get_seq_length(), cache.conversation_length, input_ids.shape[1]
+        if answered > past:
+            with self.weights(CAUSAL):
+                self.model(
+                    input_ids=input_ids[:, past:answered],
+                    attention_mask=attention_mask[:, :answered],
+                    position_ids=positions[:, past:answered],
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+        if width - 1 == answered:
+            return  # a one-token instruction adds nothing to mix
+        recorded = {}
+        for weight_set in (BIDIRECTIONAL, CAUSAL):
+            recorded[weight_set] = reading_pass_cache(cache)
+            self._prompt_pass(
+                weight_set,
+                recorded[weight_set],
+                input_ids=input_ids[:, answered : width - 1],
+                attention_mask=attention_mask[:, : width - 1],
+                position_ids=positions[:, answered : width - 1],
+            )
+        keys, values = mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer)
+        for layer_idx, (k, v) in enumerate(zip(keys, values)):
+            cache.layers[layer_idx].update(k, v)
+
+
+def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Ordinary position ids, as transformers' `generate` computes them: real tokens counted from 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _has_holes(attention_mask: torch.Tensor) -> bool:
+    valid = attention_mask.bool()
+    starts = valid.int().argmax(dim=1)
+    expected = torch.arange(valid.shape[1], device=valid.device)[None, :] >= starts[:, None]
+    return bool((valid != expected).any())
+
+
+def text_config(model: Any) -> Any:
+    """The text part of a model's config (the config itself for a text-only model)."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _max_positions(model: Any) -> int | None:
+    return getattr(text_config(model), "max_position_embeddings", None)
+
+
+def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_positions: int | None) -> torch.Tensor:
+    """Refuse empty, right-padded, holed or over-long prompts before any compute; returns the attention mask."""
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"`input_ids` must be a non-empty (batch_size, seq_len) tensor, got shape {tuple(input_ids.shape)}.")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
+        )
+    valid = attention_mask.bool()
+    lengths = valid.sum(dim=1)
+    if bool((lengths == 0).any()):
+        rows = (lengths == 0).nonzero().flatten().tolist()
+        raise ValueError(f"Prompt rows {rows} are empty (attention_mask all 0); every prompt needs at least one token.")
+    if not bool(valid[:, -1].all()):
+        rows = (~valid[:, -1]).nonzero().flatten().tolist()
+        raise ValueError(
+            f"Prompt rows {rows} are right-padded. Bitune generation continues every prompt from its last token, so "
+            "prompts must be left-padded: set `tokenizer.padding_side = 'left'`."
+        )
+    if _has_holes(attention_mask):
+        raise ValueError("Prompts have padding between real tokens; pad on the left only.")
+    if max_positions is not None and int(lengths.max()) > max_positions:
+        raise ValueError(
+            f"A prompt has {int(lengths.max())} tokens, more than the model's {max_positions} positions; shorten it "
+            "(nothing is truncated silently)."
+        )
+    return attention_mask
+
+
+def _generation_expand_size(model: Any, kwargs: dict[str, Any]) -> int:
+    """How many sequences `generate` makes of each prompt (its own rule: max(num_beams, num_return_sequences))."""
+    generation_config = kwargs.get("generation_config") or model.generation_config
+    num_beams = kwargs.get("num_beams", generation_config.num_beams) or 1
+    num_return_sequences = kwargs.get("num_return_sequences", generation_config.num_return_sequences) or 1
+    return max(num_beams, num_return_sequences)
