@@ -4,19 +4,23 @@ weights), mixes the two KV caches with learned per-layer scalars, and trains and
 Importing this package registers the "BITUNE" PEFT type, which `PeftModel.from_pretrained` needs to load an adapter.
 """
 
+from .caches import BituneCache
 from .config import BituneConfig
+from .hub import push_to_hub
 from .mixing import BituneKVMixer, mix_key_values
 from .model import BIDIRECTIONAL, CAUSAL, BituneModel, inner_adapter_name
 from .registration import register_bitune
 
 __all__ = [
     "BIDIRECTIONAL",
+    "BituneCache",
     "CAUSAL",
     "BituneConfig",
     "BituneKVMixer",
     "BituneModel",
     "inner_adapter_name",
     "mix_key_values",
+    "push_to_hub",
     "register_bitune",
 ]
 

@@ -9,9 +9,11 @@ from peft import LoraConfig, PeftConfig
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
 from peft.utils import PeftType, TaskType
 
+from .config_files import BituneConfigFileMixin
 from .registration import BITUNE_TYPE_NAME
 
 SECOND_PASS_ATTENTIONS = ("bidirectional", "causal")
+MULTI_TURN_MODES = ("alternating", "history")
 
 # PEFT methods that cannot hold the two weight sets side by side in one model, with the reason a user needs.
 _REFUSED_METHODS = {
@@ -27,7 +29,7 @@ def default_adapter_config() -> LoraConfig:
 
 
 @dataclass
-class BituneConfig(PeftConfig):
+class BituneConfig(BituneConfigFileMixin, PeftConfig):
     """
     Configuration of a Bitune adapter: two sets of weights of one PEFT method (causal and bidirectional), and the
     per-layer scalars that mix the key/value caches of the two prompt passes (Bitune, Kopiczko et al., 2025).
@@ -47,6 +49,11 @@ class BituneConfig(PeftConfig):
             Ablation: `"causal"` reads the prompt a second time with the causal mask instead of the bidirectional one.
         train_mixing (`bool`, defaults to `True`):
             Ablation: `False` freezes the mixing scalars at `mix_init` (a fixed mixing ratio).
+        multi_turn (`str`, defaults to `"alternating"`):
+            How rows with several instruction/answer segments are trained (paper A.8). `"alternating"`: each
+            instruction segment is read twice over the cache so far and mixed, each answer runs causally, in order,
+            without re-reading earlier segments. `"history"`: for each answer, everything before it is read as one
+            instruction (simple, but re-encodes the history for every answer).
 
     Example:
 
@@ -72,6 +79,11 @@ class BituneConfig(PeftConfig):
         metadata={"help": "Mask of the second prompt pass; 'causal' is the paper's ablation.", "choices": list(SECOND_PASS_ATTENTIONS)},
     )
     train_mixing: bool = field(default=True, metadata={"help": "Ablation: False freezes the mixing scalars."})
+    multi_turn: Literal["alternating", "history"] = field(
+        default="alternating",
+        metadata={"help": "Multi-turn training: 'alternating' segments or whole 'history' per answer.",
+                  "choices": list(MULTI_TURN_MODES)},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -88,6 +100,8 @@ class BituneConfig(PeftConfig):
             raise ValueError(f"`mix_scale` must be positive, got {self.mix_scale}.")
         if self.mix_init < 0:
             raise ValueError(f"`mix_init` must be non-negative (alpha uses |w|), got {self.mix_init}.")
+        if self.multi_turn not in MULTI_TURN_MODES:
+            raise ValueError(f"`multi_turn` must be one of {MULTI_TURN_MODES}, got {self.multi_turn!r}.")
         if self.second_pass_attention not in SECOND_PASS_ATTENTIONS:
             raise ValueError(
                 f"`second_pass_attention` must be one of {SECOND_PASS_ATTENTIONS}, got {self.second_pass_attention!r}."
@@ -114,6 +128,11 @@ class BituneConfig(PeftConfig):
                 f"`adapter_config` of type {peft_type} is a prompt-learning method: it adds virtual tokens instead of "
                 "weights on the layers, so it cannot give the two prompt passes different weights. Use a method that "
                 "adapts layers, e.g. LoRA, DoRA (`LoraConfig(use_dora=True)`) or IA3."
+            )
+        if getattr(adapter_config, "modules_to_save", None) or getattr(adapter_config, "trainable_token_indices", None):
+            raise ValueError(
+                "`adapter_config` cannot use `modules_to_save` or `trainable_token_indices`: such modules are not "
+                "split into causal and bidirectional weight sets, and PEFT would leave them out of the checkpoint."
             )
         if peft_type in _REFUSED_METHODS:
             raise ValueError(

@@ -1,7 +1,227 @@
-"""How a Bitune adapter's weights map to checkpoint keys (save, load, Hub). Mixed into `BituneModel`."""
+"""How a Bitune adapter's weights map to checkpoint keys (save, load, Hub). Mixed into `BituneModel`.
+
+In the model, the inner PEFT method names the two weight sets of the Bitune adapter `<name>` `"<name>__causal"` and
+`"<name>__bidirectional"`, and the tuner holds the mixing scalars in `bitune_mixers[<name>]`. A checkpoint is
+independent of the adapter name, like every PEFT checkpoint, and names the weight set instead:
+
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.causal.weight
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.bidirectional.weight
+    base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector.causal.weight      (DoRA)
+    base_model.model.model.layers.0.mlp.down_proj.ia3_l.causal                                (IA3)
+    base_model.bitune_mixers.key_weights
+    base_model.bitune_mixers.value_weights
+
+so that `load_adapter(path, adapter_name="task2")` loads it under any name. PEFT's default adapter-name handling
+cannot do this: it looks for the adapter name as a whole key segment, and `"default__causal"` is not `"default"`.
+
+Loading is all-or-nothing: a checkpoint that lacks any weight of the adapter (a weight set, the mixing scalars), holds
+weights this model has no place for, or holds weights of another shape (another base model) is refused before
+anything is copied into the model. PEFT itself only warns about missing keys and never checks that a tensor it
+loads belongs anywhere.
+"""
 
 from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from peft.tuners.tuners_utils import _filter_state_dict_by_key_prefixes, _get_tuner_state_dict_key_prefixes
+from peft.utils.other import AuxiliaryTrainingWrapper
+from torch import nn
+
+# Kept in sync with model.py, which imports this module (so it cannot be imported from there at module level).
+_WEIGHT_SETS = ("causal", "bidirectional")
+_INNER_SEPARATOR = "__"
+_MIXERS = "bitune_mixers"
+_PEFT_PREFIX = "base_model.model."
+# How many offending keys an error message lists before it says "and N more".
+_SHOWN_KEYS = 5
 
 
 class BituneCheckpointMixin:
     """Checkpoint-key hooks of `BituneModel` (PEFT calls them through `PEFT_TYPE_TO_TUNER_MAPPING`)."""
+
+    # The mixing scalars live on the tuner, not on the layers. PEFT's `inject_adapter_in_model` (used by transformers'
+    # own adapter loading: `model.load_adapter(path)`, `AutoModelForCausalLM.from_pretrained(<adapter>)`) keeps only
+    # the layers and would run the causal weights alone; this flag makes it refuse.
+    uses_shared_state: bool = True
+
+    @classmethod
+    def _get_adapter_state_dict(
+        cls,
+        model: nn.Module,
+        config: Any,
+        adapter_name: str,
+        state_dict: dict[str, torch.Tensor],
+        unwanted_adapter_names: list[str],
+    ) -> dict[str, torch.Tensor]:
+        """
+        The entries of `adapter_name`: both weight sets on the tuner layers, the mixing scalars, and the base-layer
+        biases if the inner method trains them. PEFT's own filter of other adapters does not recognise inner adapter
+        names, so the selection is made here, structurally, for this adapter's names only.
+        """
+        _check_is_bitune_peft_model(model, "saved")
+        _check_no_auxiliary_modules(model)
+        selected = _adapter_state(model, config, adapter_name, state_dict)
+        selected.update(cls._get_learnable_bias_state_dict(model, state_dict, config.adapter_config))
+        return selected
+
+    @classmethod
+    def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:
+        """
+        `...lora_A.<name>__causal.weight` -> `...lora_A.causal.weight`; `...bitune_mixers.<name>.key_weights` ->
+        `...bitune_mixers.key_weights`. Other keys (e.g. trained biases) carry no adapter name and are unchanged.
+        """
+        renamed, count = _inner_name_pattern(adapter_name).subn(r".\1", key)
+        if count:
+            return renamed
+        mixer_segment = f"{_MIXERS}.{adapter_name}."
+        if key.startswith(mixer_segment) or f".{mixer_segment}" in key:
+            return key.replace(mixer_segment, f"{_MIXERS}.", 1)
+        return key
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(
+        cls,
+        model: nn.Module,
+        config: Any,
+        adapter_name: str,
+        state_dict: dict[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """
+        Map checkpoint keys back to the model keys of `adapter_name`, after checking that the checkpoint holds exactly
+        this adapter's weights with this model's shapes.
+        """
+        _check_is_bitune_peft_model(model, "loaded")
+        model_state = model.state_dict()
+        checkpoint_to_model = {
+            cls._remove_adapter_name_from_key(model_key, adapter_name): model_key
+            for model_key in _adapter_state(model, config, adapter_name, model_state)
+        }
+        checkpoint_to_model.update(
+            {key: key for key in cls._get_learnable_bias_state_dict(model, model_state, config.adapter_config)}
+        )
+        # A checkpoint may omit the PEFT prefix when it was written without a PeftModel around the tuner.
+        remapped = {}
+        for key, value in state_dict.items():
+            if key not in checkpoint_to_model and _PEFT_PREFIX + key in checkpoint_to_model:
+                key = _PEFT_PREFIX + key
+            remapped[checkpoint_to_model.get(key, key)] = value
+        _check_complete(config, checkpoint_to_model, set(remapped), adapter_name)
+        _check_no_strangers(config, remapped, model_state)
+        _check_shapes(config, remapped, model_state)
+        return remapped
+
+
+# ---------------------------------------------------------------------------------------------------------- selection
+def _inner_names(config: Any, adapter_name: str) -> list[str]:
+    weight_sets = _WEIGHT_SETS[:1] if config.shared_weights else _WEIGHT_SETS
+    return [f"{adapter_name}{_INNER_SEPARATOR}{weight_set}" for weight_set in weight_sets]
+
+
+def _inner_name_pattern(adapter_name: str) -> re.Pattern[str]:
+    """Matches the inner adapter name as one whole key segment, capturing the weight set."""
+    sets = "|".join(_WEIGHT_SETS)
+    return re.compile(rf"\.{re.escape(adapter_name)}{_INNER_SEPARATOR}({sets})(?=\.|$)")
+
+
+def _adapter_state(
+    model: nn.Module, config: Any, adapter_name: str, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """
+    The entries of `state_dict` that belong to this adapter: found structurally (what lives on tuner layers and on
+    the tuner, as PEFT does), then narrowed to this adapter's inner names and mixer.
+    """
+    tuner_state = _filter_state_dict_by_key_prefixes(state_dict, _get_tuner_state_dict_key_prefixes(model))
+    names = "|".join(re.escape(name) for name in _inner_names(config, adapter_name))
+    own = re.compile(rf"\.(?:{names})(?:\.|$)|(?:^|\.){_MIXERS}\.{re.escape(adapter_name)}(?:\.|$)")
+    return {key: value for key, value in tuner_state.items() if own.search(key)}
+
+
+def _check_is_bitune_peft_model(model: nn.Module, action: str) -> None:
+    """Refuse transformers' built-in adapter loading, which would inject the weights and run only the causal ones."""
+    from peft import PeftModel
+
+    from .model import BituneModel
+
+    if not (isinstance(model, PeftModel) and isinstance(model.base_model, BituneModel)):
+        raise ValueError(
+            f"A Bitune adapter can only be {action} through PEFT's `PeftModel`, which runs its two prompt passes; "
+            f"got a {type(model).__name__}. transformers' own adapter support (`model.load_adapter(...)`, "
+            "`AutoModelForCausalLM.from_pretrained(<adapter>)`) would run only the causal weights and silently give "
+            "other results. Use `PeftModel.from_pretrained(base_model, path)` or "
+            "`AutoPeftModelForCausalLM.from_pretrained(path)` after `import peft_bitune`."
+        )
+
+
+# ------------------------------------------------------------------------------------------------------------- checks
+def _check_no_auxiliary_modules(model: nn.Module) -> None:
+    """
+    `modules_to_save` / `trainable_token_indices` of the inner method wrap whole modules under inner adapter names,
+    which PEFT's saving looks up under the Bitune adapter name: it would drop them, or fail with a bare KeyError.
+    """
+    wrapped = [name for name, module in model.named_modules() if isinstance(module, AuxiliaryTrainingWrapper)]
+    if wrapped:
+        raise NotImplementedError(
+            f"Bitune adapters cannot save `modules_to_save` or `trainable_token_indices` of the inner PEFT config "
+            f"(found on {_listing(wrapped)}): they are not split into causal and bidirectional weight sets, and PEFT "
+            "would leave them out of the checkpoint. Train without them (remove them from `adapter_config`)."
+        )
+
+
+def _listing(keys: list[str]) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:_SHOWN_KEYS])
+    return shown if len(keys) <= _SHOWN_KEYS else f"{shown} and {len(keys) - _SHOWN_KEYS} more"
+
+
+def _base_model_hint(config: Any) -> str:
+    base = getattr(config, "base_model_name_or_path", None)
+    recorded = f"The adapter was saved from base model `{base}`. " if base else ""
+    return (
+        f"{recorded}Load it on the same base model it was trained on (same architecture and size); "
+        "`AutoPeftModelForCausalLM.from_pretrained(path)` loads the recorded one."
+    )
+
+
+def _check_complete(config: Any, checkpoint_to_model: dict[str, str], loaded: set[str], adapter_name: str) -> None:
+    missing = [key for key, model_key in checkpoint_to_model.items() if model_key not in loaded]
+    if not missing:
+        return
+    parts = []
+    if any(f".{_MIXERS}." in f".{key}" for key in missing):
+        parts.append("the mixing scalars (`bitune_mixers.key_weights` / `value_weights`)")
+    for weight_set in _WEIGHT_SETS:
+        if any(f".{weight_set}." in f"{key}." for key in missing):
+            parts.append(f"weights of the {weight_set} set")
+    what = " and ".join(parts) or "biases trained by the inner method"
+    raise ValueError(
+        f"The checkpoint of Bitune adapter `{adapter_name}` is incomplete: it lacks {what} "
+        f"({len(missing)} tensors, e.g. {_listing(missing)}). Loading it would leave those at their random "
+        "initialisation, so nothing was loaded. The file may be truncated, edited, or written by a different "
+        f"adapter config. {_base_model_hint(config)}"
+    )
+
+
+def _check_no_strangers(config: Any, remapped: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor]) -> None:
+    strangers = [key for key in remapped if key not in model_state]
+    if strangers:
+        raise ValueError(
+            f"The Bitune checkpoint holds {len(strangers)} tensors this model has no place for (e.g. "
+            f"{_listing(strangers)}): it does not match this base model or adapter config. {_base_model_hint(config)}"
+        )
+
+
+def _check_shapes(config: Any, remapped: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor]) -> None:
+    mismatched = [
+        f"{key}: checkpoint {tuple(value.shape)} vs model {tuple(model_state[key].shape)}"
+        for key, value in remapped.items()
+        if tuple(value.shape) != tuple(model_state[key].shape)
+    ]
+    if mismatched:
+        raise ValueError(
+            f"The Bitune checkpoint does not fit this base model: {len(mismatched)} tensors have other shapes "
+            f"({_listing(mismatched)}). {_base_model_hint(config)} (A Bitune adapter is never loaded partially, so "
+            "`ignore_mismatched_sizes` does not apply.)"
+        )

@@ -1,0 +1,72 @@
+"""What happens when a `BituneConfig` is read from or written to `adapter_config.json`. Mixed into `BituneConfig`.
+
+- Reading refuses fields this version does not know. PEFT's own configs drop them with a warning (for forward
+  compatibility), but a Bitune field changes how the adapter runs, so dropping one would silently run it differently.
+- Reading refuses an adapter whose weights exist only as `adapter_model.bin`: PEFT would unpickle it.
+- Writing refuses to finish next to an `adapter_model.bin` (`save_pretrained(safe_serialization=False)`), and writes the
+  model card (see `model_card.py`), since PEFT writes the config of every adapter it saves, each in its own folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
+
+from .hub import has_only_pickled_weights
+from .model_card import write_model_card
+
+_UPGRADE = "It was probably written by a newer version; upgrade with `pip install -U {package}`."
+
+
+class BituneConfigFileMixin:
+    """Checks on reading and writing `adapter_config.json`, and the model card written next to it."""
+
+    @classmethod
+    def check_kwargs(cls, **kwargs: Any) -> dict[str, Any]:
+        """Refuse fields of `adapter_config.json` unknown to this peft-bitune (or, in `adapter_config`, to PEFT)."""
+        _refuse_unknown_fields(cls, kwargs, "peft-bitune")
+        inner = kwargs.get("adapter_config")
+        if isinstance(inner, dict) and inner.get("peft_type") in PEFT_TYPE_TO_CONFIG_MAPPING:
+            inner_cls = PEFT_TYPE_TO_CONFIG_MAPPING[inner["peft_type"]]
+            _refuse_unknown_fields(inner_cls, inner, "peft", "`adapter_config` of ")
+        return super().check_kwargs(**kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs: Any) -> Any:
+        config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        hub_kwargs, _, _ = cls._split_kwargs(kwargs)
+        if has_only_pickled_weights(str(pretrained_model_name_or_path), subfolder, **hub_kwargs):
+            raise ValueError(
+                f"The Bitune adapter at '{pretrained_model_name_or_path}' has its weights only as {WEIGHTS_NAME}, a "
+                f"pickle, which peft-bitune never reads. Convert it to {SAFETENSORS_WEIGHTS_NAME} where you trust the "
+                "file (`safetensors.torch.save_file(torch.load(path, weights_only=True), new_path)`), or save the "
+                "adapter again with `save_pretrained` (safetensors by default)."
+            )
+        return config
+
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
+        """Write `adapter_config.json` and the model card, in a folder that holds no pickled weights."""
+        if os.path.isfile(os.path.join(save_directory, WEIGHTS_NAME)):
+            raise ValueError(
+                f"'{save_directory}' holds {WEIGHTS_NAME} (a pickle, e.g. from `save_pretrained(..., "
+                f"safe_serialization=False)`), which peft-bitune never reads. Bitune adapters are saved as "
+                f"{SAFETENSORS_WEIGHTS_NAME} only: delete {WEIGHTS_NAME} and save without `safe_serialization=False`. "
+                "adapter_config.json was not written."
+            )
+        super().save_pretrained(save_directory, **kwargs)
+        write_model_card(save_directory, self, location=str(save_directory))
+
+
+def _refuse_unknown_fields(config_cls: type, data: dict[str, Any], package: str, what: str = "") -> None:
+    known = {field.name for field in dataclasses.fields(config_cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(
+            f"{what}adapter_config.json has fields that {config_cls.__name__} of this installation does not know: "
+            f"{unknown}. Ignoring them could change how the adapter runs, so it is not loaded. "
+            + _UPGRADE.format(package=package)
+        )
