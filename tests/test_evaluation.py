@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -287,7 +288,7 @@ def test_generate_until_is_bitune_generation_with_stop_sequences(load_base, toke
 
 
 # ---------------------------------------------------------------------------------------------------- refusals
-def test_refuses_what_it_cannot_evaluate(load_base, tokenizer):
+def test_refuses_what_it_cannot_evaluate(saved_models, load_base, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="peft="):
         BituneLM(pretrained="some/base-model")
     with pytest.raises(ValueError, match="batch_size=auto"):
@@ -297,6 +298,9 @@ def test_refuses_what_it_cannot_evaluate(load_base, tokenizer):
     lora = get_peft_model(load_base("llama"), LoraConfig(r=2, target_modules="all-linear"))
     with pytest.raises(ValueError, match="Bitune adapter.*LoraModel"):
         BituneLM(pretrained=lora, tokenizer=tokenizer)
+    lora.save_pretrained(tmp_path / "lora")
+    with pytest.raises(ValueError, match="is a LORA adapter.*`hf` model"):  # refused before the base model loads
+        BituneLM(pretrained=saved_models["llama"], peft=str(tmp_path / "lora"), tokenizer=tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------------- task formats
@@ -501,6 +505,7 @@ def load_example():
     path = Path(__file__).parents[1] / "examples" / "evaluate_seeds.py"
     spec = importlib.util.spec_from_file_location("evaluate_seeds", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
