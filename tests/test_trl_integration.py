@@ -1,8 +1,9 @@
 """`BituneSFTTrainer` / `BituneSFTConfig` / `bitune-sft`: TRL's SFT pipeline training Bitune adapters, on CPU, offline.
 
-The loss and TRL's metrics are checked against the one-row-at-a-time reference of tests/reference.py, with the
-instruction boundary taken from the labels TRL builds; training, checkpoints, resumption, checkpointing, bf16 and DDP
-are checked end to end on a tiny Llama with a local word-level tokenizer.
+The loss and TRL's metrics are checked against the one-row-at-a-time references (tests/reference.py, and the multi-turn
+one of tests/test_multi_turn.py), with the instruction/answer segments taken from the labels TRL builds; training,
+saving, resumption, gradient checkpointing, bf16 and DDP are checked end to end on a tiny Llama with a local
+word-level tokenizer.
 """
 
 from __future__ import annotations
@@ -17,16 +18,20 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
+from transformers.trainer_pt_utils import LabelSmoother
+from trl import SFTConfig
 
 import trl_helpers as helpers
 from peft_bitune import BituneConfig, BituneModel
 from reference import reference_row
+from test_multi_turn import reference_alternating
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
+from trl_integration.cli import BituneArguments, make_parser
 from trl_integration.cli import main as cli_main
-from trl_integration.cli import make_parser
+from trl_integration.trainer import keep_mixing_scalars_in_float32
 
 datasets.disable_progress_bars()
 
@@ -54,6 +59,11 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """Both weight sets and the mixing scalars, trainable or not (a loaded adapter is frozen)."""
+    return {n: p.detach() for n, p in model.named_parameters() if "lora_" in n or "bitune_mixers" in n}
+
+
 def weight_set_state(model, weight_set: str) -> dict[str, torch.Tensor]:
     return {name: p for name, p in trainable_state(model).items() if f"default__{weight_set}" in name}
 
@@ -63,7 +73,8 @@ def receives_gradient(name: str, num_layers: int = helpers.model_config().num_hi
     outside its key/value projections: the bidirectional pass is used only for the keys/values it writes, and the last
     layer's attention output and MLP feed no further layer."""
     last_layer = f".layers.{num_layers - 1}."
-    return not ("default__bidirectional" in name and last_layer in name and not any(p in name for p in ("k_proj", "v_proj")))
+    writes_the_cache = "k_proj" in name or "v_proj" in name
+    return not ("default__bidirectional" in name and last_layer in name and not writes_the_cache)
 
 
 def mixer_state(model) -> torch.Tensor:
@@ -84,28 +95,55 @@ def randomize_adapters(model, seed: int = 0) -> None:
                 parameter.copy_(0.002 + 0.05 * torch.rand(parameter.shape, generator=generator))
 
 
+def turns_from_labels(labels: torch.Tensor) -> tuple[list[tuple[int, int]], int]:
+    """(instruction length, answer length) of each turn of one unpadded row, and its trailing unsupervised tokens:
+    the instruction/answer segments exactly as the labels mark them."""
+    supervised = (labels != IGNORE_INDEX).tolist()
+    runs, start = [], 0
+    for position in range(1, len(supervised) + 1):
+        if position == len(supervised) or supervised[position] != supervised[start]:
+            runs.append((supervised[start], position - start))
+            start = position
+    trailing = runs.pop()[1] if not runs[-1][0] else 0
+    assert [is_answer for is_answer, _ in runs] == [False, True] * (len(runs) // 2)
+    return [(runs[i][1], runs[i + 1][1]) for i in range(0, len(runs), 2)], trailing
+
+
+def reference_predictions(model, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits predicting each supervised token of one unpadded row, and those tokens, from the per-row references."""
+    turns, trailing = turns_from_labels(labels)
+    if len(turns) == 1:
+        (instruction, answer), = turns
+        logits, _ = reference_row(model, tokens, instruction)
+        return logits[:answer], tokens[instruction : instruction + answer]
+    _, turn_logits = reference_alternating(model, tokens, turns, trailing)
+    logits, targets, position = [], [], 0
+    for (instruction, answer), turn in zip(turns, turn_logits):
+        logits.append(turn[:answer])
+        targets.append(tokens[position + instruction : position + instruction + answer])
+        position += instruction + answer
+    return torch.cat(logits), torch.cat(targets)
+
+
 def reference_statistics(model, batch) -> dict[str, float]:
-    """Loss, DFT loss, entropy and top-1 accuracy over the supervised tokens, one row at a time with the reference
-    forward; each row's instruction is its tokens before the first supervised label, as the labels define it."""
-    entropies, correct, nll, dft = [], [], [], []
+    """Loss (plain, DFT, label-smoothed), entropy and top-1 accuracy over the supervised tokens, one row at a time
+    with the reference forwards; each row's segments are those its labels mark."""
+    entropies, correct, nll, dft, uniform = [], [], [], [], []
     for row in range(batch["input_ids"].shape[0]):
         length = int(batch["attention_mask"][row].sum())
-        tokens, labels = batch["input_ids"][row, :length], batch["labels"][row, :length]
-        supervised = (labels != IGNORE_INDEX).nonzero().flatten()
-        prompt_length = int(supervised[0])
-        assert bool((labels[prompt_length:] != IGNORE_INDEX).all()), "single-turn rows supervise the whole answer"
-        logits, _ = reference_row(model, tokens, prompt_length)
-        log_probs = F.log_softmax(logits[:-1].float(), dim=-1)  # predictions of tokens[prompt_length:]
-        targets = tokens[prompt_length:]
+        logits, targets = reference_predictions(model, batch["input_ids"][row, :length], batch["labels"][row, :length])
+        log_probs = F.log_softmax(logits.float(), dim=-1)
         target_log_probs = log_probs.gather(1, targets[:, None]).squeeze(1)
         nll += (-target_log_probs).tolist()
         dft += (-target_log_probs * target_log_probs.exp()).tolist()
+        uniform += (-log_probs.mean(-1)).tolist()
         entropies += (-(log_probs.exp() * log_probs).sum(-1)).tolist()
         correct += (log_probs.argmax(-1) == targets).tolist()
     count = len(nll)
     return {
         "loss": sum(nll) / count,
         "dft_loss": sum(dft) / count,
+        "smoothed_loss": 0.9 * sum(nll) / count + 0.1 * sum(uniform) / count,  # label smoothing 0.1
         "entropy": sum(entropies) / count,
         "mean_token_accuracy": sum(correct) / count,
     }
@@ -116,7 +154,9 @@ def test_config_makes_checkpointing_non_reentrant(tmp_path):
     config = BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True)
     assert config.gradient_checkpointing is True  # TRL's default, kept
     assert config.gradient_checkpointing_kwargs == {"use_reentrant": False}
-    config = BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing_kwargs={"every_n_layers": 1})
+    config = BituneSFTConfig(
+        output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing_kwargs={"every_n_layers": 1}
+    )
     assert config.gradient_checkpointing_kwargs == {"every_n_layers": 1, "use_reentrant": False}
     with pytest.raises(ValueError, match="non-reentrant gradient checkpointing"):
         BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing_kwargs={"use_reentrant": True})
@@ -164,7 +204,8 @@ def test_refuses_a_peft_model_with_another_adapter(tmp_path, model_dir):
         ([{"input_ids": [1, 27, 28]}], {}, "is tokenized but has no `labels` column"),
         ([{"prompt": "what is", "completion": " 1", "images": []}], {}, "holds images"),
     ],
-    ids=["text", "conversation-without-assistant-only-loss", "completion-only-loss-off", "tokenized-no-labels", "vision"],
+    ids=["text", "conversation-without-assistant-only-loss", "completion-only-loss-off", "tokenized-no-labels",
+         "vision"],
 )
 def test_refuses_data_without_an_instruction_boundary(tmp_path, rows, args, message):
     with pytest.raises(ValueError, match=message) as error:
@@ -196,38 +237,65 @@ def test_refuses_deepspeed_zero3_with_gradient_checkpointing(tmp_path):
         )
 
 
+def test_refuses_ddp_without_unused_parameter_detection(tmp_path):
+    with pytest.raises(ValueError, match="`ddp_find_unused_parameters=False` makes DDP fail"):
+        make_trainer(never_loaded(tmp_path), tmp_path, ddp_find_unused_parameters=False)
+
+
 def test_refuses_fsdp_activation_checkpointing(tmp_path, monkeypatch):
-    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")  # set by `accelerate launch --fsdp_activation_checkpointing`
+    # What `accelerate launch --use_fsdp --fsdp_activation_checkpointing true` sets.
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
     with pytest.raises(ValueError, match="FSDP's own activation checkpointing"):
         make_trainer(never_loaded(tmp_path), tmp_path)
 
 
-def test_refuses_tokenized_rows_whose_labels_mark_no_instruction(tmp_path, model_dir):
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [([1, 27, 28, 13], "have no instruction: their first token"), ([-100] * 4, "have no supervised token")],
+    ids=["supervised-from-the-first-token", "nothing-supervised"],
+)
+def test_refuses_tokenized_rows_without_instruction_or_answer(tmp_path, model_dir, labels, message):
     rows = [
         {"input_ids": [1, 27, 28, 13, 14], "labels": [-100, -100, -100, 13, 14]},
-        {"input_ids": [1, 27, 28, 13], "labels": [1, 27, 28, 13]},  # supervised from the first token
+        {"input_ids": [1, 27, 28, 13], "labels": labels},
     ]
-    with pytest.raises(ValueError, match=r"Rows \[1\] of `train_dataset` have no instruction"):
-        make_trainer(model_dir, tmp_path, rows=rows)
+    # Without `max_length`, TRL keeps rows that supervise nothing (it drops them only when truncating).
+    with pytest.raises(ValueError, match=rf"Rows \[1\] of the prepared `train_dataset` {message}"):
+        make_trainer(model_dir, tmp_path, rows=rows, max_length=None)
 
 
 # ---------------------------------------------------------------------- the model the trainer builds
 def test_peft_config_defaults_to_bitune_config(tmp_path, model_dir):
+    sft_args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, learning_rate=3e-4, report_to=[])
     trainer = BituneSFTTrainer(
         model=model_dir,
-        args=helpers.training_args(tmp_path),
+        args=sft_args,  # a plain SFTConfig is converted, keeping its values
         train_dataset=datasets.Dataset.from_list(helpers.prompt_completion_rows(4)),
         processing_class=helpers.build_tokenizer(),
     )
     assert isinstance(trainer.model.base_model, BituneModel)
     config, default = trainer.model.peft_config["default"], BituneConfig()
     assert isinstance(config, BituneConfig)
-    for field in ("mix_init", "mix_scale", "shared_weights", "second_pass_attention", "train_mixing"):
+    for field in BituneArguments.__dataclass_fields__:  # every Bitune setting of its own
         assert getattr(config, field) == getattr(default, field)
     assert (config.adapter_config.r, config.adapter_config.lora_alpha) == (8, 16)
     trainable = trainable_state(trainer.model)
     assert weight_set_state(trainer.model, "causal") and weight_set_state(trainer.model, "bidirectional")
     assert any("bitune_mixers" in name for name in trainable)
+    assert isinstance(trainer.args, BituneSFTConfig) and trainer.args.learning_rate == 3e-4
+    assert trainer.args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+
+
+def test_mixing_scalars_stay_float32(tmp_path, model_dir):
+    """TRL casts the trainable parameters of quantized models to bf16; the trainer restores float32 scalars."""
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), helpers.small_bitune_config())
+    mixer = model.base_model.mixer
+    expected = mixer.key_weights.detach().clone()
+    for parameter in mixer.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16)
+    keep_mixing_scalars_in_float32(model)
+    assert mixer.key_weights.dtype == mixer.value_weights.dtype == torch.float32
+    torch.testing.assert_close(mixer.key_weights.detach(), expected.to(torch.bfloat16).float())
 
 
 # ---------------------------------------------------------------------- loss and TRL's metrics
@@ -241,20 +309,21 @@ def random_adapter_trainer(model_dir, tmp_path_factory):
     return trainer
 
 
-@pytest.mark.parametrize("loss_type", ["nll", "dft"])
-def test_loss_and_metrics_match_the_reference_forward(random_adapter_trainer, loss_type):
+@pytest.mark.parametrize("loss", ["loss", "dft_loss", "smoothed_loss"])
+def test_loss_and_metrics_match_the_reference_forward(random_adapter_trainer, loss):
     trainer = random_adapter_trainer
     batch = first_batch(trainer)
     assert bool((batch["attention_mask"] == 0).any()), "the batch must hold right-padded rows"
-    trainer.args.loss_type = loss_type
+    trainer.args.loss_type = "dft" if loss == "dft_loss" else "nll"
+    trainer.label_smoother = LabelSmoother(epsilon=0.1) if loss == "smoothed_loss" else None
     trainer._metrics["train"].clear()
     try:
         with torch.no_grad():
-            loss = trainer.compute_loss(trainer.model, dict(batch))
+            value = trainer.compute_loss(trainer.model, dict(batch))
     finally:
-        trainer.args.loss_type = "nll"
+        trainer.args.loss_type, trainer.label_smoother = "nll", None
     expected = reference_statistics(trainer.model, batch)
-    assert loss.item() == pytest.approx(expected["loss" if loss_type == "nll" else "dft_loss"], abs=1e-5)
+    assert value.item() == pytest.approx(expected[loss], abs=1e-5)
     assert trainer._metrics["train"]["entropy"][-1] == pytest.approx(expected["entropy"], abs=1e-5)
     assert trainer._metrics["train"]["mean_token_accuracy"][-1] == pytest.approx(expected["mean_token_accuracy"])
     assert trainer._metrics["train"]["num_tokens"][-1] >= int(batch["attention_mask"].sum())
@@ -296,28 +365,26 @@ def test_single_turn_conversations_train_on_the_assistant_answer(tmp_path, model
     assert loss.item() == pytest.approx(reference_statistics(trainer.model, batch)["loss"], abs=1e-5)
 
 
-def test_multi_turn_rows_reach_the_model_with_all_their_segments(tmp_path, model_dir):
-    """The trainer passes several instruction/answer segments through unchanged; the core decides what to do."""
-    trainer = make_trainer(model_dir, tmp_path, rows=helpers.conversation_rows(4, turns=2), assistant_only_loss=True)
+def test_multi_turn_conversations_train_on_every_assistant_answer(tmp_path, model_dir):
+    """Two-turn conversations: both answers are supervised, and the loss and metrics are those of the alternating
+    multi-turn reference with the segments the labels mark."""
+    adapter = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    trainer = make_trainer(
+        model_dir, tmp_path, rows=helpers.conversation_rows(4, turns=2),
+        peft_config=BituneConfig(adapter_config=adapter), assistant_only_loss=True,
+    )
+    randomize_adapters(trainer.model)
     batch = first_batch(trainer)
-    supervised = batch["labels"] != IGNORE_INDEX
-    segment_starts = supervised[:, 1:] & ~supervised[:, :-1]
-    assert segment_starts.sum(dim=1).tolist() == [2] * batch["input_ids"].shape[0]
-    seen = {}
-    original_forward = trainer.model.forward
-
-    def spy(**inputs):
-        seen.update(inputs)
-        return original_forward(**inputs)
-
-    trainer.model.forward = spy
-    try:
-        trainer.compute_loss(trainer.model, dict(batch))
-    except ValueError as error:  # the core refuses multi-turn rows until it supports them, with its own message
-        assert "multi-turn" in str(error)
-    finally:
-        del trainer.model.forward
-    assert torch.equal(seen["labels"], batch["labels"]) and torch.equal(seen["input_ids"], batch["input_ids"])
+    for row in range(batch["input_ids"].shape[0]):
+        length = int(batch["attention_mask"][row].sum())
+        assert len(turns_from_labels(batch["labels"][row, :length])[0]) == 2
+    trainer._metrics["train"].clear()
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+    expected = reference_statistics(trainer.model, batch)
+    assert loss.item() == pytest.approx(expected["loss"], abs=1e-5)
+    assert trainer._metrics["train"]["entropy"][-1] == pytest.approx(expected["entropy"], abs=1e-5)
+    assert trainer._metrics["train"]["mean_token_accuracy"][-1] == pytest.approx(expected["mean_token_accuracy"])
 
 
 # ---------------------------------------------------------------------- training
@@ -405,7 +472,8 @@ def test_save_model_writes_an_adapter_peft_loads_back(trained, model_dir, tmp_pa
 def plain_run(model_dir, tmp_path_factory):
     """Two fp32 steps without gradient checkpointing, saving a checkpoint after each: the baseline of the
     resumption, checkpointing and bf16 tests."""
-    trainer = make_trainer(model_dir, tmp_path_factory.mktemp("plain"), max_steps=2, save_strategy="steps", save_steps=1)
+    output_dir = tmp_path_factory.mktemp("plain")
+    trainer = make_trainer(model_dir, output_dir, max_steps=2, save_strategy="steps", save_steps=1)
     trainer.train()
     return trainer
 
@@ -453,15 +521,18 @@ def test_ddp_on_two_processes_matches_one_process(tmp_path, model_dir):
     """
     steps = 3
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
         str(Path(helpers.__file__)), model_dir, str(tmp_path / "ddp"), "2", str(steps),
+        json.dumps({"gradient_checkpointing": True}),  # TRL's default, with DDP's search for unused parameters
     ]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     distributed = json.loads((tmp_path / "ddp" / "log_history.json").read_text())
-    single = helpers.run_training(model_dir, str(tmp_path / "single"), per_device_train_batch_size=4, max_steps=steps)
+    single = helpers.run_training(
+        model_dir, str(tmp_path / "single"), per_device_train_batch_size=4, max_steps=steps, gradient_checkpointing=True
+    )
     distributed_logs = [log for log in distributed if "loss" in log]
     single_logs = [log for log in single if "loss" in log]
     assert len(distributed_logs) == len(single_logs) == steps
@@ -470,29 +541,50 @@ def test_ddp_on_two_processes_matches_one_process(tmp_path, model_dir):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-3)
         assert ours["num_tokens"] == theirs["num_tokens"]
+    adapters = [
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(directory / "adapter"))
+        for directory in (tmp_path / "ddp", tmp_path / "single")
+    ]
+    expected = adapter_state(adapters[1])
+    assert expected
+    for name, value in adapter_state(adapters[0]).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.skipif(
     torch.cuda.device_count() < 2,
-    reason="accelerate runs FSDP only on accelerators (on CPU it falls back to plain DDP); needs 2 GPUs",
+    reason="accelerate runs FSDP only on accelerators (with use_cpu it trains plain DDP instead); needs 2 GPUs",
 )
-def test_fsdp_on_two_gpus_matches_one_process(tmp_path, model_dir):
-    """On a machine with 2 GPUs: FSDP2 with one unit per decoder layer, against a single process."""
+@pytest.mark.parametrize("fsdp_version", ["1", "2"])
+def test_fsdp_on_two_gpus_matches_one_process(tmp_path, model_dir, fsdp_version):
+    """For a machine with 2 GPUs (not run on CPU): FSDP with one unit per decoder layer, 2 rows per GPU, against one
+    CPU process with 4 rows per step: same losses and mixing logs, and the saved adapter holds the same weights."""
     steps = 3
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--use_fsdp", "--fsdp_version", "2", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-        "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer",
-        "--fsdp_state_dict_type", "FULL_STATE_DICT",
+        sys.executable, "-m", "accelerate.commands.launch", "--use_fsdp", "--fsdp_version", fsdp_version,
+        "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", "0", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+        "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer", "--fsdp_state_dict_type", "FULL_STATE_DICT",
+        "--fsdp_use_orig_params", "true",
         str(Path(helpers.__file__)), model_dir, str(tmp_path / "fsdp"), "2", str(steps), json.dumps({"use_cpu": False}),
     ]
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     sharded = [log for log in json.loads((tmp_path / "fsdp" / "log_history.json").read_text()) if "loss" in log]
-    single = [log for log in helpers.run_training(model_dir, str(tmp_path / "single"), 4, steps) if "loss" in log]
+    single_dir = tmp_path / "single"
+    single = [log for log in helpers.run_training(model_dir, str(single_dir), 4, steps) if "loss" in log]
     for ours, theirs in zip(sharded, single, strict=True):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-3)
         assert ours["bitune/alpha_keys_mean"] == pytest.approx(theirs["bitune/alpha_keys_mean"], rel=1e-3)
+    adapters = [
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(directory / "adapter"))
+        for directory in (tmp_path / "fsdp", single_dir)
+    ]
+    expected = adapter_state(adapters[1])
+    assert expected
+    for name, value in adapter_state(adapters[0]).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
 # ---------------------------------------------------------------------- command line
@@ -515,6 +607,12 @@ def test_cli_trains_and_saves_a_bitune_adapter(tmp_path, model_dir):
     assert saved["adapter_config"]["r"] == 4 and saved["adapter_config"]["lora_alpha"] == 16  # Bitune's default alpha
     assert saved["adapter_config"]["target_modules"] == "all-linear"
     assert (output / "adapter_model.safetensors").exists()
+
+
+def test_cli_covers_every_bitune_setting():
+    """Each `BituneConfig` field of its own (not PEFT's, not the weight-set method) is a `bitune-sft` flag."""
+    own_fields = set(BituneConfig.__dataclass_fields__) - set(PeftConfig.__dataclass_fields__) - {"adapter_config"}
+    assert set(BituneArguments.__dataclass_fields__) == own_fields
 
 
 def test_cli_parser_offers_trl_and_bitune_flags():

@@ -81,7 +81,8 @@ def arithmetic_rows(count: int, seed: int = 0) -> list[tuple[str, str]]:
 
 def prompt_completion_rows(count: int, seed: int = 0) -> list[dict[str, str]]:
     """Standard prompt-completion rows; the completion starts with a space, as in the paper's templates."""
-    return [{"prompt": f"{question} answer :", "completion": f" {answer}"} for question, answer in arithmetic_rows(count, seed)]
+    pairs = arithmetic_rows(count, seed)
+    return [{"prompt": f"{question} answer :", "completion": f" {answer}"} for question, answer in pairs]
 
 
 def conversation_rows(count: int, turns: int = 1, seed: int = 0) -> list[dict[str, list[dict[str, str]]]]:
@@ -121,7 +122,7 @@ def training_args(output_dir: str | Path, **overrides):
 
 def run_training(model_dir: str, output_dir: str, per_device_train_batch_size: int, max_steps: int, rows: int = 16,
                  **overrides) -> list[dict]:
-    """Train on prompt-completion rows and return the trainer's log history."""
+    """Train on prompt-completion rows, save the adapter to `output_dir/adapter`, and return the log history."""
     from datasets import Dataset
 
     from trl_integration import BituneSFTTrainer
@@ -135,6 +136,7 @@ def run_training(model_dir: str, output_dir: str, per_device_train_batch_size: i
         peft_config=small_bitune_config(),
     )
     trainer.train()
+    trainer.save_model(str(Path(output_dir) / "adapter"))  # every process takes part (FSDP gathers the weights)
     return trainer.state.log_history
 
 

@@ -1,0 +1,79 @@
+"""`BituneSFTConfig`: TRL's `SFTConfig` plus the few settings a Bitune run needs, checked before any work is done."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import SFTConfig
+
+# The two names transformers has used for the checkpointing switches (`gradient_checkpointing*` is the deprecated alias
+# of `activation_checkpointing*` since 5.x; older releases only know the first).
+_CHECKPOINTING_FLAGS = ("activation_checkpointing", "gradient_checkpointing")
+_CHECKPOINTING_KWARGS = ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+
+
+@dataclass
+class BituneSFTConfig(SFTConfig):
+    r"""
+    Configuration of the [`BituneSFTTrainer`]: every [`~trl.SFTConfig`] field keeps its meaning, and Bitune adds the
+    settings below.
+
+    Parameters:
+        > Parameters that control the logging of the mixing coefficients
+
+        mixing_logging_steps (`int` or `None`, *optional*, defaults to `100`):
+            The mean mixing coefficient (alpha) of keys and of values is added to every training log, as
+            `bitune/alpha_keys_mean` and `bitune/alpha_values_mean`. Every layer's alphas
+            (`bitune/alpha_keys/layer_<i>`, `bitune/alpha_values/layer_<i>`) are added to the first training log and
+            then to the first log after at least this many optimizer steps since the last per-layer log. `None` or `0`
+            never logs per-layer values.
+
+    > [!NOTE]
+    > Defaults that differ from [`~trl.SFTConfig`]:
+    > - `gradient_checkpointing_kwargs`: `use_reentrant` defaults to `False`. Bitune runs three passes that share the
+    >   key/value projections through the mixed cache, and reentrant checkpointing silently drops their gradients, so
+    >   `use_reentrant=True` is refused.
+
+    Refused settings (each with the reason in the error): `packing`, `padding_free` and `eval_packing` (a packed row
+    holds several instruction/answer pairs whose boundaries the Bitune forward cannot see).
+    """
+
+    mixing_logging_steps: int | None = field(
+        default=100,
+        metadata={
+            "help": "Log every layer's mixing coefficient with the first training log after at least this many "
+            "optimizer steps since the last per-layer log (and with the first log). The means are logged at every "
+            "log. None or 0 turns the per-layer values off."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mixing_logging_steps is not None and self.mixing_logging_steps < 0:
+            raise ValueError(
+                f"`mixing_logging_steps` must be a positive integer or None, got {self.mixing_logging_steps}."
+            )
+        for name in ("packing", "padding_free", "eval_packing"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"`{name}=True` is not supported by Bitune: packing and padding-free training put several "
+                    "instruction/answer pairs in one row, and the Bitune forward reads one instruction per row (it "
+                    f"finds it from the labels). Set `{name}=False`; batches are padded per batch instead."
+                )
+        self._default_to_non_reentrant_checkpointing()
+
+    def _default_to_non_reentrant_checkpointing(self) -> None:
+        """Make `use_reentrant=False` explicit (whatever the library default), and refuse `True`."""
+        if not any(getattr(self, flag, False) for flag in _CHECKPOINTING_FLAGS):
+            return
+        present = [name for name in _CHECKPOINTING_KWARGS if hasattr(self, name)]
+        kwargs = dict(getattr(self, present[0]) or {})
+        if kwargs.get("use_reentrant", False):
+            raise ValueError(
+                "Bitune needs non-reentrant gradient checkpointing: reentrant checkpointing drops the gradients of the "
+                "key/value projections that flow through the mixed prompt cache. Remove `use_reentrant` from "
+                "`gradient_checkpointing_kwargs` (it defaults to False here) or set it to False."
+            )
+        kwargs["use_reentrant"] = False
+        for name in present:  # the deprecated alias mirrors the new name, as transformers does
+            setattr(self, name, kwargs)
