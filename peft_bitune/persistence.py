@@ -34,6 +34,8 @@ from torch import nn
 _WEIGHT_SETS = ("causal", "bidirectional")
 _INNER_SEPARATOR = "__"
 _MIXERS = "bitune_mixers"
+# Checkpoint keys of the mixing scalars (adapter name removed; the "base_model." prefix may be absent).
+MIXER_CHECKPOINT_KEYS = {"keys": f"{_MIXERS}.key_weights", "values": f"{_MIXERS}.value_weights"}
 _PEFT_PREFIX = "base_model.model."
 # How many offending keys an error message lists before it says "and N more".
 _SHOWN_KEYS = 5
