@@ -1,16 +1,17 @@
-"""Key/value caches for the training passes, and the in-place mix of two generation caches.
+"""Key/value caches of the passes, the in-place mix of two generation caches, and the conversation cache.
 
-Training runs three forwards that talk through caches: two prompt passes that *write* keys/values, and an answer pass
-that *reads* the mixed prompt keys/values. Two properties matter there, and transformers' `DynamicCache` has neither:
+Each pass reads the keys/values built so far and may record its own. Two properties matter, and transformers'
+`DynamicCache` has neither:
 
-- writes are idempotent: under gradient checkpointing a decoder layer is re-run during backward, and a re-run must
-  overwrite what the first run wrote instead of appending it a second time;
-- the answer pass reads a fixed prefix without storing its own keys/values, so nothing is kept alive that the loss
-  does not need, and a re-run sees exactly what the first run saw.
+- reading leaves the cache as it was: the two prompt passes of one instruction must both see the same past, and the
+  mix of what they recorded is what gets appended;
+- recording is idempotent: under gradient checkpointing a decoder layer is re-run during backward, and a re-run must
+  overwrite what the first run wrote instead of appending it a second time.
 
 Both are one layer class, `PassCacheLayer`: an optional fixed prefix, plus an optional record of the last chunk.
-It keeps every position (it is never a sliding-window layer); sliding-window models still get their window, because
-transformers builds the sliding mask from the config over absolute positions.
+In training it holds every position and is never a sliding-window layer; sliding-window models still get their
+window, because transformers builds the sliding mask from the config over absolute positions. Over a generation cache
+it mirrors each layer (window and offset) instead.
 """
 
 from __future__ import annotations

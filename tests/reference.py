@@ -75,3 +75,50 @@ def reference_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[i
             ).logits
         tokens.append(int(logits[0, -1].argmax()))
     return tokens[len(prompt) :]
+
+
+def _cache_from(keys, values) -> DynamicCache:
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(zip(keys, values)):
+        cache.update(k, v, i)
+    return cache
+
+
+def _run(model, weight_set, tokens, keys, values, start, is_causal=True, with_head=False):
+    """One pass of `tokens` (1, n) at positions start.. over the given per-layer prefix; returns output, new k/v."""
+    bitune = model.base_model
+    cache = _cache_from(keys, values) if keys else DynamicCache()
+    positions = torch.arange(start, start + tokens.shape[1])[None]
+    with bitune.weights(weight_set):
+        forward = bitune.model if with_head else bitune.model.get_decoder()
+        out = forward(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True,
+                      is_causal=is_causal)
+    new_keys = [layer.keys[..., start:, :] for layer in cache.layers]
+    new_values = [layer.values[..., start:, :] for layer in cache.layers]
+    return out, new_keys, new_values
+
+
+def reference_alternating(model, row, turns, trailing):
+    """BITUNE.md's multi-turn rule for one row: returns the summed answer cross-entropy and logits per turn."""
+    key_alpha, value_alpha = alphas(model)
+    keys, values, position, loss, all_logits = [], [], 0, 0.0, []
+    for number, (instruction, answer) in enumerate(turns):
+        segment = row[position : position + instruction]
+        if instruction > 1:
+            head = segment[None, :-1]
+            _, kb, vb = _run(model, "bidirectional", head, keys, values, position, is_causal=False)
+            _, kc, vc = _run(model, "causal", head, keys, values, position)
+            mixed_k = [((1 - key_alpha[i]) * c + key_alpha[i] * b) for i, (c, b) in enumerate(zip(kc, kb))]
+            mixed_v = [((1 - value_alpha[i]) * c + value_alpha[i] * b) for i, (c, b) in enumerate(zip(vc, vb))]
+            keys = [torch.cat([o, n], -2) for o, n in zip(keys, mixed_k)] if keys else mixed_k
+            values = [torch.cat([o, n], -2) for o, n in zip(values, mixed_v)] if values else mixed_v
+        last = position + instruction - 1
+        end = last + 1 + answer + (trailing if number == len(turns) - 1 else 0)
+        out, kc, vc = _run(model, "causal", row[None, last:end], keys, values, last, with_head=True)
+        logits = out.logits[0]
+        loss = loss + F.cross_entropy(logits[:answer], row[last + 1 : last + 1 + answer], reduction="sum")
+        all_logits.append(logits)
+        keys = [torch.cat([o, n], -2) for o, n in zip(keys, kc)] if keys else kc
+        values = [torch.cat([o, n], -2) for o, n in zip(values, vc)] if values else vc
+        position = end
+    return loss, all_logits

@@ -26,8 +26,7 @@ from trl import SFTConfig
 
 import trl_helpers as helpers
 from peft_bitune import BituneConfig, BituneModel
-from reference import reference_row
-from test_multi_turn import reference_alternating
+from reference import reference_alternating, reference_row
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
 from trl_integration.cli import BituneArguments, make_parser
 from trl_integration.cli import main as cli_main
