@@ -110,10 +110,22 @@ class BituneCheckpointMixin:
             if key not in checkpoint_to_model and _PEFT_PREFIX + key in checkpoint_to_model:
                 key = _PEFT_PREFIX + key
             remapped[checkpoint_to_model.get(key, key)] = value
-        _check_complete(config, checkpoint_to_model, set(remapped), adapter_name)
-        _check_no_strangers(config, remapped, model_state)
-        _check_shapes(config, remapped, model_state)
+        try:
+            _check_complete(config, checkpoint_to_model, set(remapped), adapter_name)
+            _check_no_strangers(config, remapped, model_state)
+            _check_shapes(config, remapped, model_state)
+        except ValueError:
+            _forget_refused_adapter(model, adapter_name)
+            raise
         return remapped
+
+
+def _forget_refused_adapter(model: nn.Module, adapter_name: str) -> None:
+    """PEFT adds an adapter before it reads its file: a refused `load_adapter` must not leave it behind, randomly
+    initialised. (A refused first adapter fails `from_pretrained` as a whole, so there is nothing to clean up.)"""
+    peft_config = getattr(model, "peft_config", {})
+    if adapter_name in peft_config and len(peft_config) > 1 and adapter_name != getattr(model, "active_adapter", None):
+        model.delete_adapter(adapter_name)
 
 
 # ---------------------------------------------------------------------------------------------------------- selection

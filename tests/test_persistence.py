@@ -587,6 +587,11 @@ def test_an_incomplete_checkpoint_is_refused_before_anything_is_loaded(load_base
         model.load_adapter(tmp_path, adapter_name="default")
     for name, value in adapter_tensors(model).items():
         assert torch.equal(value, before[name]), name
+    # A refused new adapter leaves nothing behind (PEFT adds it before reading the file).
+    with pytest.raises(ValueError, match=message):
+        model.load_adapter(tmp_path, adapter_name="task2")
+    assert set(model.peft_config) == {"default"}
+    assert not any("task2" in name for name, _ in model.named_parameters())
 
 
 def test_an_unknown_config_field_is_refused_with_the_upgrade_hint(load_base, tmp_path):
