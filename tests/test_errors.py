@@ -1,0 +1,111 @@
+"""Clear errors before any compute: bad configs, unsupported models, bad training inputs; merge is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import AdaLoraConfig, LoraConfig, PromptTuningConfig, get_peft_model
+
+from conftest import VOCAB
+from peft_bitune import BituneConfig
+from reference import make_bitune
+
+
+@pytest.mark.parametrize(
+    ("adapter_config", "message"),
+    [
+        (PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4), "prompt-learning method"),
+        (AdaLoraConfig(total_step=10), "only one trainable adapter"),
+        ({"peft_type": "NOT_A_METHOD"}, "known PEFT method"),
+        ("lora", "must be a PEFT config"),
+    ],
+)
+def test_unusable_peft_methods_are_refused_in_the_config(adapter_config, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        BituneConfig(adapter_config=adapter_config)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(mix_scale=0.0), "`mix_scale` must be positive"),
+        (dict(mix_init=-1.0), "`mix_init` must be non-negative"),
+        (dict(second_pass_attention="sideways"), "`second_pass_attention` must be one of"),
+        (dict(task_type="SEQ_CLS"), "decoder-only language models"),
+    ],
+)
+def test_bad_config_values_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BituneConfig(**kwargs)
+
+
+def test_default_adapter_config_is_the_papers_lora():
+    config = BituneConfig()
+    assert config.adapter_config.r == 8 and config.adapter_config.lora_alpha == 16
+    assert config.adapter_config.target_modules == "all-linear"
+    assert config.to_dict()["adapter_config"]["peft_type"] == "LORA"
+
+
+def test_models_without_a_kv_cache_decoder_are_refused_at_get_peft_model():
+    from transformers import BertConfig, BertModel, T5Config, T5ForConditionalGeneration
+
+    bert = BertModel(BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=32))
+    with pytest.raises(ValueError, match="causal language model"):
+        get_peft_model(bert, BituneConfig(adapter_config=LoraConfig(target_modules=["query", "value"])))
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                             num_heads=2))
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        get_peft_model(t5, BituneConfig(adapter_config=LoraConfig(target_modules=["q", "v"])))
+
+
+def test_merge_is_refused_with_the_reason(load_base):
+    model = make_bitune(load_base("llama"))
+    with pytest.raises(ValueError, match="cannot be merged"):
+        model.merge_and_unload()
+    with pytest.raises(ValueError, match="cannot be merged"):
+        model.base_model.merge_adapter()
+
+
+def _batch():
+    ids = torch.randint(3, VOCAB, (2, 6))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda ids, labels: dict(input_ids=ids), "needs the instruction/answer boundary"),
+        (lambda ids, labels: dict(input_ids=ids, labels=labels[:, :5]), r"`labels` has shape \(2, 5\)"),
+        (lambda ids, labels: dict(input_ids=ids, labels=torch.full_like(labels, -100)), "no answer token"),
+        (lambda ids, labels: dict(input_ids=ids, labels=ids), "start with an answer token"),
+        (lambda ids, labels: dict(input_ids=ids, labels=labels,
+                                  attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1], [1] * 6])), "padding between"),
+        (lambda ids, labels: dict(input_ids=ids, labels=labels, attention_mask=torch.zeros_like(ids)), "empty"),
+        (lambda ids, labels: dict(input_ids=ids, labels=labels, prompt_mask=torch.ones_like(ids)), "no answer token"),
+        (lambda ids, labels: dict(input_ids=ids, labels=labels, output_attentions=True), "not supported"),
+        (lambda ids, labels: dict(labels=labels), "exactly one of `input_ids` and `inputs_embeds`"),
+    ],
+    ids=["no-boundary", "shape", "no-answer", "no-instruction", "holes", "empty", "all-prompt", "attentions",
+         "no-input"],
+)
+def test_bad_training_inputs_get_clear_errors_before_any_compute(load_base, monkeypatch, change, message):
+    model = make_bitune(load_base("llama"))
+    ran = []
+    monkeypatch.setattr(type(model.base_model), "_prompt_pass", lambda *a, **k: ran.append(1))
+    ids, labels = _batch()
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        model(**change(ids, labels))
+    assert not ran
+
+
+def test_inputs_embeds_give_the_same_result_as_input_ids(load_base):
+    model = make_bitune(load_base("qwen3"))
+    ids, labels = _batch()
+    from_ids = model(input_ids=ids, labels=labels)
+    embeds = model.get_input_embeddings()(ids)
+    from_embeds = model(inputs_embeds=embeds, labels=labels)
+    torch.testing.assert_close(from_embeds.loss, from_ids.loss)
+    torch.testing.assert_close(from_embeds.logits, from_ids.logits)
