@@ -1,0 +1,133 @@
+"""The two models every benchmark compares, built from one random base, and the batches they are fed.
+
+Bitune and plain LoRA get identical copies of the same base model and the same LoRA hyper-parameters (rank 8 on every
+linear layer), so a ratio of their timings measures Bitune's own cost and nothing else.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import peft_bitune  # noqa: F401  (registers the BITUNE peft type)
+from peft_bitune import BituneConfig
+
+LORA_RANK = 8
+FIRST_TOKEN_ID = 3  # random tokens avoid pad (0), bos (1) and eos (2)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A random Llama shape. `small` is sized so that the quick run fits in a few minutes on 2 CPU cores."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.hidden_size * 8 // 3 // 64 * 64,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            max_position_embeddings=2048,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+        )
+
+
+MODEL_SIZES = {
+    # For the smoke test only: every figure it gives is dominated by Python overhead.
+    "tiny": ModelSize(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    # The CPU default.
+    "small": ModelSize(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=4096),
+    # The GPU default: a ~1B-parameter Llama shape, where matrix products dominate as in real use.
+    "medium": ModelSize(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        vocab_size=32000),
+}
+
+
+@dataclass
+class ModelPair:
+    """Plain LoRA and Bitune over identical copies of one base model."""
+
+    lora: PeftModel
+    bitune: PeftModel
+    size: ModelSize
+    device: torch.device
+    dtype: torch.dtype
+
+    def both(self) -> dict[str, PeftModel]:
+        return {"lora": self.lora, "bitune": self.bitune}
+
+
+def lora_config() -> LoraConfig:
+    return LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear")
+
+
+def build_pair(size: ModelSize, device: torch.device, dtype: torch.dtype, attn_implementation: str,
+               seed: int = 0) -> ModelPair:
+    """Build one random base model and wrap two copies of it: one in LoRA, one in Bitune with the same LoRA config."""
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_config(size.llama_config(), attn_implementation=attn_implementation, dtype=dtype)
+    lora = get_peft_model(copy.deepcopy(base), lora_config())
+    bitune = get_peft_model(base, BituneConfig(adapter_config=lora_config()))
+    return ModelPair(lora=lora.to(device), bitune=bitune.to(device), size=size, device=device, dtype=dtype)
+
+
+def training_batch(batch_size: int, prompt_length: int, answer_length: int, vocab_size: int,
+                   device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Rows of `prompt_length` instruction tokens then `answer_length` answer tokens, no padding; loss on answers."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(FIRST_TOKEN_ID, vocab_size, (batch_size, prompt_length + answer_length),
+                              generator=generator)
+    labels = input_ids.clone()
+    labels[:, :prompt_length] = -100
+    batch = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=labels)
+    return {name: tensor.to(device) for name, tensor in batch.items()}
+
+
+def ragged_rows(count: int, prompt_range: tuple[int, int], answer_range: tuple[int, int], vocab_size: int,
+                seed: int = 0) -> list[tuple[torch.Tensor, int]]:
+    """`count` rows (tokens, prompt length) with prompt and answer lengths drawn uniformly from the ranges."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        prompt_length = int(torch.randint(prompt_range[0], prompt_range[1] + 1, (), generator=generator))
+        answer_length = int(torch.randint(answer_range[0], answer_range[1] + 1, (), generator=generator))
+        tokens = torch.randint(FIRST_TOKEN_ID, vocab_size, (prompt_length + answer_length,), generator=generator)
+        rows.append((tokens, prompt_length))
+    return rows
+
+
+def collate_right_padded(rows: list[tuple[torch.Tensor, int]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-pad rows the way TRL's collator does: pad id 0, attention mask 0 and labels -100 on padding."""
+    width = max(len(tokens) for tokens, _ in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    for i, (tokens, prompt_length) in enumerate(rows):
+        input_ids[i, : len(tokens)] = tokens
+        attention_mask[i, : len(tokens)] = 1
+        labels[i, prompt_length : len(tokens)] = tokens[prompt_length:]
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    return {name: tensor.to(device) for name, tensor in batch.items()}
+
+
+def prompt_batch(batch_size: int, prompt_length: int, vocab_size: int, device: torch.device,
+                 seed: int = 0) -> dict[str, torch.Tensor]:
+    """Prompts of equal length (no padding) for generation."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(FIRST_TOKEN_ID, vocab_size, (batch_size, prompt_length), generator=generator)
+    return dict(input_ids=input_ids.to(device), attention_mask=torch.ones_like(input_ids).to(device))

@@ -1,0 +1,269 @@
+r"""
+Quickstart: train a Bitune adapter with TRL, save it, load it back, answer held-out prompts, and show the learned
+mixing of the two prompt caches.
+
+    python examples/quickstart.py                    # offline, on the embedded miniature model and data (CPU, minutes)
+    python examples/quickstart.py --max_steps 5      # a smoke run
+
+The same script is the real recipe on a GPU, with the paper's defaults (LoRA r=8, alpha=16 on all linear layers for
+both weight sets; every mixing scalar starts at 0.01, so alpha starts at 0.5):
+
+    python examples/quickstart.py --model_name_or_path google/gemma-2b --dataset_name trl-lib/tldr \
+        --output_dir out/gemma-2b-bitune --dtype bfloat16 --num_train_epochs 1 --per_device_train_batch_size 8
+
+Any dataset that `datasets.load_dataset` reads works if its rows are prompt-completion (`prompt` and `completion`
+columns, plain text or conversational) or conversational (`messages`, trained with `assistant_only_loss=True`, which
+needs a chat template with `{% generation %}` markers). Held-out prompts come from the `test` (or `validation`) split,
+or are set aside from the training split when there is neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
+# The embedded default: a small pretrained model and an instruction dataset shipped in the repository.
+MINIATURE_BASE = os.path.join(EXAMPLES_DIR, "miniature", "base")
+MINIATURE_DATA = os.path.join(EXAMPLES_DIR, "miniature", "data")
+HELD_OUT_SPLITS = ("test", "validation")
+# Training defaults for a real model (3e-4 is a common LoRA learning rate; tune it for your model and data), and for the
+# embedded ~1M-parameter model, which needs a larger step to learn in two minutes (as in examples/miniature/run.py).
+RECIPE_DEFAULTS = {"learning_rate": 3e-4, "per_device_train_batch_size": 8, "num_train_epochs": 1.0}
+EMBEDDED_DEFAULTS = {"learning_rate": 3e-3, "per_device_train_batch_size": 16, "num_train_epochs": 2.0}
+PLOT_NAME = "mixing_coefficients.png"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data = parser.add_argument_group("model and data (defaults: the embedded miniature model and data)")
+    data.add_argument("--model_name_or_path", default=MINIATURE_BASE, help="Base model: a Hub id or a local folder.")
+    data.add_argument("--dataset_name", default=MINIATURE_DATA, help="Dataset: a Hub id or a local folder of files.")
+    data.add_argument("--dataset_config", default=None, help="The dataset's configuration name, if it has several.")
+    data.add_argument("--train_split", default="train")
+    data.add_argument(
+        "--test_split", default=None, help="Split of the held-out prompts (default: 'test', else 'validation', else a "
+        "few rows set aside from the training split)."
+    )
+    data.add_argument("--dtype", default="auto", help="dtype of the base model: auto, float32, bfloat16 or float16.")
+    train = parser.add_argument_group("training")
+    train.add_argument("--output_dir", default=os.path.join("out", "quickstart"))
+    train.add_argument("--num_train_epochs", type=float, default=None, help=_default_help("num_train_epochs"))
+    train.add_argument("--max_steps", type=int, default=-1, help="Stop after this many steps (overrides epochs).")
+    train.add_argument("--learning_rate", type=float, default=None, help=_default_help("learning_rate"))
+    train.add_argument(
+        "--per_device_train_batch_size", type=int, default=None, help=_default_help("per_device_train_batch_size")
+    )
+    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    train.add_argument("--max_length", type=int, default=1024, help="Longer rows are cut at the end (TRL's rule).")
+    train.add_argument("--seed", type=int, default=0)
+    bitune = parser.add_argument_group("Bitune adapter (paper defaults)")
+    bitune.add_argument("--lora_r", type=int, default=8, help="LoRA rank of both weight sets.")
+    bitune.add_argument("--lora_alpha", type=int, default=16)
+    bitune.add_argument("--mix_init", type=float, default=0.01, help="Initial value of every mixing scalar.")
+    show = parser.add_argument_group("after training")
+    show.add_argument("--num_prompts", type=int, default=5, help="How many held-out prompts to answer.")
+    show.add_argument("--max_new_tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    defaults = EMBEDDED_DEFAULTS if args.model_name_or_path == MINIATURE_BASE else RECIPE_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    _check_args(parser, args)
+    return args
+
+
+def _default_help(name: str) -> str:
+    return f"Default: {RECIPE_DEFAULTS[name]:g}; {EMBEDDED_DEFAULTS[name]:g} on the embedded miniature model."
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad input before anything is loaded or written."""
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "lora_r", "lora_alpha",
+                 "num_prompts", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}.")
+    if args.max_steps == 0 or args.max_steps < -1:
+        parser.error(f"--max_steps must be positive (or -1 to train for --num_train_epochs), got {args.max_steps}.")
+    if args.max_steps == -1 and not args.num_train_epochs > 0:
+        parser.error(f"--num_train_epochs must be positive, got {args.num_train_epochs}.")
+    if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        parser.error(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}.")
+    for name, default, what in (
+        ("model_name_or_path", MINIATURE_BASE, "model"),
+        ("dataset_name", MINIATURE_DATA, "dataset"),
+    ):
+        if getattr(args, name) == default and not os.path.isdir(default):
+            parser.error(
+                f"The embedded miniature {what} is missing: {default} does not exist. It is part of the repository "
+                f"(examples/miniature/); restore it from git, or pass --{name} to use another {what}."
+            )
+
+
+def load_splits(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The training rows and the held-out rows whose prompts are answered after training."""
+    from datasets import load_dataset
+
+    dataset = load_dataset(args.dataset_name, args.dataset_config)
+    if args.train_split not in dataset:
+        raise SystemExit(f"{args.dataset_name} has no split {args.train_split!r}; its splits are {sorted(dataset)}.")
+    train = dataset[args.train_split]
+    if args.test_split is not None:
+        if args.test_split not in dataset:
+            raise SystemExit(f"{args.dataset_name} has no split {args.test_split!r}; its splits are {sorted(dataset)}.")
+        held_out = dataset[args.test_split]
+    elif any(split in dataset for split in HELD_OUT_SPLITS):
+        held_out = dataset[next(split for split in HELD_OUT_SPLITS if split in dataset)]
+    else:
+        if len(train) <= args.num_prompts:
+            raise SystemExit(
+                f"The training split has {len(train)} rows and no test split: too few to set {args.num_prompts} "
+                "aside for the held-out prompts. Pass --test_split or lower --num_prompts."
+            )
+        parts = train.train_test_split(test_size=args.num_prompts, seed=args.seed)
+        train, held_out = parts["train"], parts["test"]
+    if "prompt" not in held_out.column_names:
+        raise SystemExit(
+            f"The held-out rows have columns {held_out.column_names}; answering held-out prompts needs a `prompt` "
+            "column (prompt-completion data)."
+        )
+    return train, held_out.select(range(min(args.num_prompts, len(held_out))))
+
+
+def train_adapter(args: argparse.Namespace, train_dataset: Any) -> None:
+    """Train a Bitune adapter with `BituneSFTTrainer` and save it (with the tokenizer) to `args.output_dir`."""
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peft_bitune import BituneConfig
+    from trl_integration import BituneSFTConfig, BituneSFTTrainer
+
+    on_gpu = torch.cuda.is_available()
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=args.dtype)
+    peft_config = BituneConfig(
+        adapter_config=LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"),
+        mix_init=args.mix_init,
+    )
+    training_args = BituneSFTConfig(
+        output_dir=args.output_dir,
+        num_train_epochs=args.num_train_epochs,
+        max_steps=args.max_steps,
+        learning_rate=args.learning_rate,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_length=args.max_length,
+        seed=args.seed,
+        # TRL's defaults (bf16 autocast, gradient checkpointing) save GPU memory; on a CPU they only cost time.
+        bf16=on_gpu and torch.cuda.is_bf16_supported(),
+        gradient_checkpointing=on_gpu,
+        assistant_only_loss="messages" in train_dataset.column_names,
+        logging_steps=10,
+        mixing_logging_steps=None,  # the mean alphas are logged every 10 steps; per-layer values are printed below
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=False,  # the progress bar
+    )
+    trainer = BituneSFTTrainer(
+        model=model, args=training_args, train_dataset=train_dataset, processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    trainer.train()
+    trainer.save_model(args.output_dir)
+
+
+def load_adapter(args: argparse.Namespace) -> tuple[Any, Any]:
+    """A fresh base model with the saved adapter loaded onto it, as a user of the adapter would load it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import peft_bitune  # noqa: F401  (registers the BITUNE adapter type; without it: KeyError: 'BITUNE')
+
+    base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=args.dtype)
+    model = PeftModel.from_pretrained(base, args.output_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.output_dir)
+    return model, tokenizer
+
+
+def answer(model: Any, tokenizer: Any, prompts: list[Any], max_new_tokens: int) -> list[str]:
+    """Greedy answers to a batch of prompts, tokenized as TRL tokenized the training prompts, left-padded."""
+    import torch
+
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # Bitune's generate continues every prompt from its last token
+    if isinstance(prompts[0], list):  # conversational prompts: the chat template, ending with the assistant's turn
+        ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+               for p in prompts]
+        batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
+    else:
+        batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    batch = batch.to(model.device)
+    with torch.no_grad():
+        output = model.generate(
+            **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+    return tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def show_answers(prompts: list[Any], references: list[Any], answers: list[str]) -> None:
+    matches = 0
+    for number, (prompt, reference, generated) in enumerate(zip(prompts, references, answers), start=1):
+        reference = _text(reference)
+        matches += generated.strip() == reference.strip()
+        print(f"\n[{number}] prompt:    {_text(prompt)!r}\n    reference: {reference!r}\n    answer:    {generated!r}")
+    print(f"\n{matches} of {len(answers)} answers equal the reference exactly.")
+
+
+def _text(value: Any) -> str:
+    """A prompt or completion as text: plain text as is, conversational messages as their contents."""
+    if isinstance(value, list):
+        return " | ".join(f"{message['role']}: {message['content']}" for message in value)
+    return value
+
+
+def show_mixing(model: Any, plot_path: str) -> None:
+    """Print alpha (the weight of the bidirectional cache) per layer and plot it, if matplotlib is installed."""
+    from peft_bitune.visualize import mixing_coefficients
+
+    alphas = mixing_coefficients(model)
+    print("\nLearned mixing coefficients (alpha = weight of the bidirectional cache; 0.5 at the start):")
+    print("layer  keys    values")
+    for layer, (key_alpha, value_alpha) in enumerate(zip(alphas["keys"].tolist(), alphas["values"].tolist())):
+        print(f"{layer:>5}  {key_alpha:.4f}  {value_alpha:.4f}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"\nNo plot: matplotlib is not installed (pip install -e '.[viz]'); {plot_path} was not written.")
+        return
+    from peft_bitune.visualize import plot_mixing_coefficients
+
+    plot_mixing_coefficients(alphas, path=plot_path)
+    print(f"\nPlot of the mixing coefficients: {plot_path}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.model_name_or_path == MINIATURE_BASE:
+        import torch
+
+        # The embedded model is tiny: one thread avoids thread hand-off costs that dominate at this size (several
+        # times slower with two threads on a busy two-core machine).
+        torch.set_num_threads(1)
+    train, held_out = load_splits(args)
+    print(f"Training a Bitune adapter on {args.model_name_or_path} with {len(train)} rows of {args.dataset_name}.")
+    train_adapter(args, train)
+    print(f"\nAdapter saved to {args.output_dir}. Loading it back onto a fresh base model...")
+    model, tokenizer = load_adapter(args)
+    prompts = list(held_out["prompt"])
+    references = list(held_out["completion"]) if "completion" in held_out.column_names else [""] * len(prompts)
+    show_answers(prompts, references, answer(model, tokenizer, prompts, args.max_new_tokens))
+    show_mixing(model, os.path.join(args.output_dir, PLOT_NAME))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

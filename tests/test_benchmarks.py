@@ -1,0 +1,118 @@
+"""The benchmark scripts run end to end and keep their output contract; their peak-memory tracker counts exactly.
+
+Timings are never asserted here: performance targets live in the benchmark's own report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+HEADLINE = ["train_ratio_to_bound", "train_memory_ratio", "prefill_ratio", "decode_ratio", "batching_speedup"]
+
+
+def run_benchmark(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    return subprocess.run([sys.executable, str(BENCHMARKS / "run.py"), *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def positive_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.slow
+def test_quick_run_on_a_tiny_model_writes_every_headline_ratio(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run_benchmark("--quick", "--model", "tiny", "--rounds", "1", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+
+    for name in HEADLINE:
+        assert positive_finite(report[name]), (name, report[name])
+        assert report["targets"][name]["value"] is not None
+        assert isinstance(report["targets"][name]["met"], bool)
+    assert report["settings"]["model"] == "tiny" and report["settings"]["quick"] is True
+
+    assert {(r["batch_size"], r["prompt_length"], r["answer_length"]) for r in report["train"]} == {
+        (8, 32, 32), (8, 128, 32)}
+    for row in report["train"]:
+        for value in (row["time"]["ratio"], row["memory_ratio"], row["ratio_to_bound"], row["lora_peak_bytes"],
+                      row["bitune_peak_bytes"], row["linear_flop_ratio"], row["ratio_to_linear_flops"]):
+            assert positive_finite(value), row
+        p, a = row["prompt_length"], row["answer_length"]
+        assert row["compute_bound"] == pytest.approx((2 * p + a) / (p + a))
+        assert row["ratio_to_bound"] == pytest.approx(row["time"]["ratio"] / row["compute_bound"])
+        # Bitune reads the prompt twice but runs the LM head on the answer only: more matmul FLOPs than LoRA,
+        # never more than the bound.
+        assert 1 < row["linear_flop_ratio"] < row["compute_bound"]
+    assert report["train_ratio_to_bound"] == max(r["ratio_to_bound"] for r in report["train"])
+
+    assert sorted(r["batch_size"] for r in report["generation"]) == [1, 16]
+    for row in report["generation"]:
+        assert positive_finite(row["prefill"]["ratio"]) and positive_finite(row["decode"]["ratio"]), row
+        assert positive_finite(row["prefill"]["denominator_s"]) and positive_finite(row["decode"]["numerator_s"])
+    assert report["decode_ratio"] == max(r["decode"]["ratio"] for r in report["generation"])
+
+    (batching,) = report["batching"]
+    assert positive_finite(batching["bitune_speedup"]["ratio"]) and positive_finite(batching["bitune_examples_per_s"])
+    assert report["batching_speedup"] == batching["bitune_speedup"]["ratio"]
+
+    for table in ("Training step", "Generation", "Batching", "Targets"):
+        assert table in result.stdout
+
+
+def test_a_missing_json_folder_is_refused_before_any_work(tmp_path):
+    out = tmp_path / "missing" / "bench.json"
+    result = run_benchmark("--quick", "--model", "tiny", "--json", str(out))
+    assert result.returncode == 2
+    assert "does not exist" in result.stderr
+    assert "train:" not in result.stderr  # no cell ran
+    assert not out.parent.exists()
+
+
+def load_measure():
+    """benchmarks/measure.py under a private name (the benchmark folder is a script folder, not a package)."""
+    name = "bitune_benchmarks_measure"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / "measure.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+    return module
+
+
+def test_peak_memory_counts_tensors_made_during_the_call_until_they_are_freed():
+    measure = load_measure()
+    weight = torch.randn(256, 256, requires_grad=True)  # one 256 KiB block; exists before, never counted
+    inputs = torch.randn(256, 256)
+    block = 256 * 256 * 4
+
+    def step():
+        hidden = inputs @ weight  # 1 block, freed when relu is done
+        activated = hidden.relu()  # 1 block, saved for backward
+        del hidden
+        scratch = torch.ones(1024, 256)  # 4 blocks, freed at once
+        del scratch
+        activated.sum().backward()  # gradient of `activated`, then relu's gradient, then weight.grad
+
+    assert measure.peak_bytes_during(step, torch.device("cpu")) == 5 * block
+    weight.grad = None
+
+    def backward_peak():
+        activated = (inputs @ weight).relu()
+        activated.sum().backward()
+
+    # relu output (saved) + relu's gradient + weight.grad, with the mm output already freed; a few scalars on top.
+    peak = measure.peak_bytes_during(backward_peak, torch.device("cpu"))
+    assert 3 * block <= peak < 3 * block + 1024
