@@ -7,10 +7,12 @@ token runs causally, the new instruction minus its last token is read twice over
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .caches import BituneCache, mix_into_dynamic_cache, mix_recorded, reading_pass_cache
 
@@ -33,7 +35,8 @@ class BituneGenerationMixin:
             attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
         """
         attention_mask = _check_prompts(input_ids, attention_mask, _max_positions(self.model))
-        return self._prefill_cache(input_ids, attention_mask)
+        with _checkpointing_off(self.model):
+            return self._prefill_cache(input_ids, attention_mask)
 
     def _prefill_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> BituneCache:
         prompt_ids, prompt_mask = input_ids[:, :-1], attention_mask[:, :-1]
@@ -66,6 +69,10 @@ class BituneGenerationMixin:
         input_ids = kwargs.get("input_ids")
         if input_ids is None:
             raise ValueError("Bitune `generate` needs `input_ids`: the prompt is read twice by token.")
+        with _checkpointing_off(self.model):
+            return self._generate(input_ids, kwargs)
+
+    def _generate(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         cache = kwargs.pop("past_key_values", None)
         expand = _generation_expand_size(self.model, kwargs)
         if cache is None:
@@ -177,6 +184,20 @@ class BituneGenerationMixin:
         keys, values = mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer)
         for layer_idx, (k, v) in enumerate(zip(keys, values)):
             cache.layers[layer_idx].update(k, v)
+
+
+@contextmanager
+def _checkpointing_off(model: Any) -> Iterator[None]:
+    """Generation needs its caches, which checkpointed layers drop in training mode; without gradients,
+    checkpointing saves nothing anyway. Restored on exit."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    try:
+        for layer in layers:
+            layer.gradient_checkpointing = False
+        yield
+    finally:
+        for layer in layers:
+            layer.gradient_checkpointing = True
 
 
 def _positions(attention_mask: torch.Tensor) -> torch.Tensor:

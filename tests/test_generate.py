@@ -202,3 +202,13 @@ def test_generation_input_errors_are_clear(load_base):
     too_long = torch.randint(3, VOCAB, (1, 300))
     with pytest.raises(ValueError, match="more than the model's 256 positions"):
         model.generate(input_ids=too_long, max_new_tokens=2)
+
+
+def test_generate_works_in_training_mode_with_gradient_checkpointing(load_base):
+    model = make_bitune(load_base("llama")).eval()
+    batch = left_padded(prompts(seed=6, lengths=[4, 7]))
+    expected = model.generate(**batch, **GREEDY)
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    assert torch.equal(model.generate(**batch, **GREEDY), expected)
+    assert all(layer.gradient_checkpointing for layer in model.base_model.model.model.layers)
