@@ -619,3 +619,10 @@ def test_cli_parser_offers_trl_and_bitune_flags():
     for flag in ("--model_name_or_path", "--dataset_name", "--lora_r", "--assistant_only_loss", "--mix_init",
                  "--shared_weights", "--mixing_logging_steps"):
         assert flag in help_text
+
+
+def test_trl_model_card_keeps_the_bitune_loading_section(trained):
+    trainer = trained[0]
+    trainer.create_model_card()
+    card = (Path(trainer.args.output_dir) / "README.md").read_text()
+    assert "import peft, peft_bitune" in card and "AutoPeftModelForCausalLM.from_pretrained" in card

@@ -236,6 +236,17 @@ class BituneSFTTrainer(SFTTrainer):
             self._last_per_layer_mixing_log_step = step
         return logs
 
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        # TRL's card replaces the one `save_model` wrote; put back the section that says how to load a Bitune adapter.
+        super().create_model_card(*args, **kwargs)
+        if self.is_world_process_zero():
+            from peft_bitune.model_card import write_model_card
+
+            bitune = self._bitune_model()
+            write_model_card(
+                self.args.output_dir, bitune.peft_config[bitune.active_adapter], getattr(self, "hub_model_id", None) or self.args.hub_model_id or self.args.output_dir
+            )
+
     def _bitune_model(self) -> BituneModel:
         peft_model = self.accelerator.unwrap_model(self.model)
         return peft_model.base_model
