@@ -47,7 +47,7 @@ class BituneGenerationMixin:
         for weight_set, cache in caches.items():
             self._prompt_pass(
                 weight_set, cache, input_ids=prompt_ids, attention_mask=prompt_mask,
-                position_ids=_positions(prompt_mask),
+                position_ids=positions_for(prompt_mask),
             )
         return mix_into_dynamic_cache(caches[CAUSAL], caches[BIDIRECTIONAL], self.mixer)
 
@@ -127,12 +127,7 @@ class BituneGenerationMixin:
             raise NotImplementedError(
                 "Continuing a conversation supports one sequence per row (`num_beams=1`, `num_return_sequences=1`)."
             )
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
-            )
+        attention_mask = attention_mask_for(input_ids, attention_mask)
         answered = cache.conversation_length
         if not cache.get_seq_length() <= answered < input_ids.shape[1]:
             raise ValueError(
@@ -158,7 +153,7 @@ class BituneGenerationMixin:
     def _continue_conversation(self, cache: BituneCache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """Bring `cache` to the new instruction's last token: the previous answer's tail causally, then the new
         instruction minus its last token read twice over the whole cache, mixed and appended."""
-        positions = _positions(attention_mask)
+        positions = positions_for(attention_mask)
         past, answered, width = cache.get_seq_length(), cache.conversation_length, input_ids.shape[1]
         if answered > past:
             with self.weights(CAUSAL):
@@ -200,7 +195,18 @@ def _checkpointing_off(model: Any) -> Iterator[None]:
             layer.gradient_checkpointing = True
 
 
-def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
+def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The given attention mask, checked against `input_ids`, or all ones when none is given."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
+        )
+    return attention_mask
+
+
+def positions_for(attention_mask: torch.Tensor) -> torch.Tensor:
     """Ordinary position ids, as transformers' `generate` computes them: real tokens counted from 0."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
@@ -226,12 +232,7 @@ def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     """Refuse empty, right-padded, holed or over-long prompts before any compute; returns the attention mask."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"`input_ids` must be a non-empty (batch_size, seq_len) tensor, got shape {tuple(input_ids.shape)}.")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
-        )
+    attention_mask = attention_mask_for(input_ids, attention_mask)
     valid = attention_mask.bool()
     lengths = valid.sum(dim=1)
     if bool((lengths == 0).any()):

@@ -25,6 +25,7 @@ from peft import PeftModel
 from torch import nn
 
 from .config import BituneConfig
+from .generation import attention_mask_for, positions_for
 from .mixing import BituneKVMixer
 from .model import BIDIRECTIONAL, CAUSAL, BituneModel, WeightSet
 from .persistence import MIXER_CHECKPOINT_KEYS
@@ -106,7 +107,7 @@ def attention_maps(
     prefix_ids, prefix_mask = _prompt_pass_tokens(input_ids, attention_mask)
     device = next(hf_model.parameters()).device
     prefix_ids, prefix_mask = prefix_ids.to(device), prefix_mask.to(device)
-    position_ids = (prefix_mask.long().cumsum(-1) - 1).clamp(min=0)
+    position_ids = positions_for(prefix_mask)
     second_pass_is_causal = bitune.peft_config[bitune.active_adapter].second_pass_attention == CAUSAL
 
     maps = {}
@@ -171,12 +172,7 @@ def _prompt_pass_tokens(
         attention_mask = attention_mask[None] if attention_mask is not None else None
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"`input_ids` must be of shape (batch_size, seq_len), got {tuple(input_ids.shape)}.")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
-        )
+    attention_mask = attention_mask_for(input_ids, attention_mask)
     valid = attention_mask.bool()
     seq_len = valid.shape[1]
     lengths = valid.sum(dim=1)
