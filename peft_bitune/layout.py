@@ -149,15 +149,21 @@ class ConversationLayout:
 
     def scatter_answers(self, answer_values: list[torch.Tensor], batch_size: int, seq_len: int) -> torch.Tensor:
         """Put each turn's per-answer-position values (rows, width, ...) back at their input positions of a zero
-        (batch_size, seq_len, ...) tensor."""
+        (batch_size, seq_len, ...) tensor.
+
+        One `index_copy_` per turn from a view of the values (no gathered copy of them): chunk padding is sent to one
+        spare row past the end, which is dropped.
+        """
         first = answer_values[0]
-        out = first.new_zeros((batch_size, seq_len, *first.shape[2:]))
+        trailing = first.shape[2:]
+        flat = first.new_zeros((batch_size * seq_len + 1, *trailing))
+        spare = batch_size * seq_len
         for turn, values in zip(self.turns, answer_values):
             real = turn.answer.mask.bool()
             rows = turn.rows if turn.rows is not None else torch.arange(real.shape[0], device=real.device)
-            row_index = rows[:, None].expand_as(real)
-            out[row_index[real], turn.answer.index[real]] = values[real]
-        return out
+            target = torch.where(real, rows[:, None] * seq_len + turn.answer.index, spare)
+            flat.index_copy_(0, target.flatten(), values.reshape(-1, *trailing))
+        return flat[:spare].view(batch_size, seq_len, *trailing)
 
 
 def _segments(valid: torch.Tensor, is_answer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
