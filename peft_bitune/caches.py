@@ -9,6 +9,8 @@ Each pass reads the keys/values built so far and may record its own. Two propert
   overwrite what the first run wrote instead of appending it a second time.
 
 Both are one layer class, `PassCacheLayer`: an optional fixed prefix, plus an optional record of the last chunk.
+A prompt pass feeds nothing but its keys/values, so once the last layer has recorded them the pass may stop there
+(`PromptPassComplete`): the last layer's attention output and MLP, and the final norm, would be computed for nothing.
 In training it holds every position and is never a sliding-window layer; sliding-window models still get their
 window, because transformers builds the sliding mask from the config over absolute positions. Over a generation cache
 it mirrors each layer (window and offset) instead.
@@ -22,6 +24,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .mixing import BituneKVMixer, mix_key_values
+
+
+class PromptPassComplete(Exception):
+    """Raised by the last layer of a recording pass cache once it holds its keys/values; the pass is complete."""
 
 
 class PassCacheLayer(CacheLayerMixin):
@@ -38,6 +44,8 @@ class PassCacheLayer(CacheLayerMixin):
             window); the mask is built over absolute positions.
         is_sliding (`bool`): mirrors the layer it reads from, so transformers sizes each mask type from a layer of
             that type.
+        stop_after_record (`bool`): raise `PromptPassComplete` once the chunk is recorded (set on the last layer; not
+            under gradient checkpointing, whose recomputation re-runs the layer to its end).
     """
 
     is_compileable = False
@@ -49,8 +57,12 @@ class PassCacheLayer(CacheLayerMixin):
         record: bool = False,
         offset: int = 0,
         is_sliding: bool = False,
+        stop_after_record: bool = False,
     ) -> None:
         super().__init__()
+        if stop_after_record and not record:
+            raise ValueError("A pass cache layer can only stop its pass after recording (`record=True`).")
+        self.stop_after_record = stop_after_record
         self.offset = offset
         self.is_sliding = is_sliding
         self.prefix_keys = prefix_keys
@@ -71,6 +83,8 @@ class PassCacheLayer(CacheLayerMixin):
         if self.record:
             # Overwrite, never append: a checkpointing re-run must leave the same state behind.
             self.recorded_keys, self.recorded_values = key_states, value_states
+            if self.stop_after_record:
+                raise PromptPassComplete
         if self.prefix_keys is None:
             return key_states, value_states
         keys = torch.cat([self.prefix_keys, key_states], dim=-2)
@@ -96,21 +110,27 @@ def pass_cache(
     keys: list[torch.Tensor] | None = None,
     values: list[torch.Tensor] | None = None,
     record: bool = False,
+    stop_after_last_record: bool = False,
 ) -> Cache:
-    """A cache for one training pass: optional fixed per-layer prefix keys/values, optionally recording the pass."""
+    """A cache for one pass: optional fixed per-layer prefix keys/values, optionally recording the pass and stopping
+    it once the last layer has recorded."""
     if keys is None:
-        return Cache(layers=[PassCacheLayer(record=record) for _ in range(num_layers)])
-    return Cache(layers=[PassCacheLayer(k, v, record=record) for k, v in zip(keys, values)])
+        keys = values = [None] * num_layers
+    return Cache(layers=[
+        PassCacheLayer(k, v, record=record, stop_after_record=stop_after_last_record and i == num_layers - 1)
+        for i, (k, v) in enumerate(zip(keys, values))
+    ])
 
 
-def reading_pass_cache(cache: DynamicCache) -> Cache:
+def reading_pass_cache(cache: DynamicCache, stop_after_last_record: bool = False) -> Cache:
     """A recording pass cache over a generation cache: the pass attends to everything `cache` holds (each layer's
     window, for sliding layers) and records its own keys/values, leaving `cache` untouched."""
     layers = []
-    for layer in cache.layers:
+    for i, layer in enumerate(cache.layers):
         held = layer.keys.shape[-2]
         layers.append(PassCacheLayer(layer.keys, layer.values, record=True, offset=layer.get_seq_length() - held,
-                                     is_sliding=getattr(layer, "is_sliding", False)))
+                                     is_sliding=getattr(layer, "is_sliding", False),
+                                     stop_after_record=stop_after_last_record and i == len(cache.layers) - 1))
     return Cache(layers=layers)
 
 
@@ -155,19 +175,10 @@ def mix_recorded(causal: Cache, bidirectional: Cache, mixer: BituneKVMixer) -> t
     return keys, values
 
 
-def mix_into_dynamic_cache(causal: DynamicCache, bidirectional: DynamicCache, mixer: BituneKVMixer) -> DynamicCache:
-    """
-    Mix the bidirectional cache into the causal one, in place, and return the causal cache.
-
-    Mixing in place keeps each layer's own bookkeeping (a sliding-window layer's running length), which a cache
-    rebuilt from tensors would lose.
-    """
-    if len(causal.layers) != len(bidirectional.layers):
-        raise RuntimeError("The two prompt passes produced caches with different numbers of layers.")
-    key_alpha, value_alpha = mixer.coefficients()
-    for i, (causal_layer, bidirectional_layer) in enumerate(zip(causal.layers, bidirectional.layers)):
-        if causal_layer.keys is None or bidirectional_layer.keys is None:
-            raise RuntimeError(f"Layer {i} of the prompt cache holds no keys/values; Bitune cannot mix it.")
-        causal_layer.keys = mix_key_values(causal_layer.keys, bidirectional_layer.keys, key_alpha[i])
-        causal_layer.values = mix_key_values(causal_layer.values, bidirectional_layer.values, value_alpha[i])
-    return causal
+def append_key_values(cache: DynamicCache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Append per-layer keys/values to a generation cache through each layer's own `update`, which keeps its
+    bookkeeping (a sliding-window layer keeps its window and counts what it dropped) exactly as a forward would."""
+    if len(keys) != len(cache.layers):
+        raise RuntimeError(f"{len(keys)} layers of keys/values cannot extend a cache of {len(cache.layers)} layers.")
+    for layer_idx, (layer_keys, layer_values) in enumerate(zip(keys, values)):
+        cache.update(layer_keys, layer_values, layer_idx)

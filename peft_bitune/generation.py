@@ -7,14 +7,14 @@ token runs causally, the new instruction minus its last token is read twice over
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .caches import BituneCache, mix_into_dynamic_cache, mix_recorded, reading_pass_cache
+from .caches import BituneCache, append_key_values, mix_recorded, pass_cache, reading_pass_cache
 
 CAUSAL, BIDIRECTIONAL = "causal", "bidirectional"
 
@@ -35,21 +35,26 @@ class BituneGenerationMixin:
             attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
         """
         attention_mask = _check_prompts(input_ids, attention_mask, _max_positions(self.model))
-        with _checkpointing_off(self.model):
+        with _checkpointing_off(self._module_index().checkpoint_layers):
             return self._prefill_cache(input_ids, attention_mask)
 
     def _prefill_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> BituneCache:
         prompt_ids, prompt_mask = input_ids[:, :-1], attention_mask[:, :-1]
-        caches = {weight_set: BituneCache(config=self.model.config, owner=self.model) for weight_set in (BIDIRECTIONAL, CAUSAL)}
-        caches[CAUSAL].conversation_length = prompt_ids.shape[1]
+        cache = BituneCache(config=self.model.config, owner=self.model)
+        cache.conversation_length = prompt_ids.shape[1]
         if prompt_ids.shape[1] == 0:
-            return caches[CAUSAL]
-        for weight_set, cache in caches.items():
+            return cache
+        recorded = {}
+        for weight_set in (BIDIRECTIONAL, CAUSAL):
+            recorded[weight_set] = pass_cache(
+                len(cache.layers), record=True, stop_after_last_record=self._prompt_passes_may_stop_early()
+            )
             self._prompt_pass(
-                weight_set, cache, input_ids=prompt_ids, attention_mask=prompt_mask,
+                weight_set, recorded[weight_set], input_ids=prompt_ids, attention_mask=prompt_mask,
                 position_ids=positions_for(prompt_mask),
             )
-        return mix_into_dynamic_cache(caches[CAUSAL], caches[BIDIRECTIONAL], self.mixer)
+        append_key_values(cache, *mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer))
+        return cache
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """
@@ -69,7 +74,7 @@ class BituneGenerationMixin:
         input_ids = kwargs.get("input_ids")
         if input_ids is None:
             raise ValueError("Bitune `generate` needs `input_ids`: the prompt is read twice by token.")
-        with _checkpointing_off(self.model):
+        with _checkpointing_off(self._module_index().checkpoint_layers):
             return self._generate(input_ids, kwargs)
 
     def _generate(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> Any:
@@ -168,7 +173,7 @@ class BituneGenerationMixin:
             return  # a one-token instruction adds nothing to mix
         recorded = {}
         for weight_set in (BIDIRECTIONAL, CAUSAL):
-            recorded[weight_set] = reading_pass_cache(cache)
+            recorded[weight_set] = reading_pass_cache(cache, self._prompt_passes_may_stop_early())
             self._prompt_pass(
                 weight_set,
                 recorded[weight_set],
@@ -176,16 +181,14 @@ class BituneGenerationMixin:
                 attention_mask=attention_mask[:, : width - 1],
                 position_ids=positions[:, answered : width - 1],
             )
-        keys, values = mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer)
-        for layer_idx, (k, v) in enumerate(zip(keys, values)):
-            cache.layers[layer_idx].update(k, v)
+        append_key_values(cache, *mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer))
 
 
 @contextmanager
-def _checkpointing_off(model: Any) -> Iterator[None]:
+def _checkpointing_off(checkpoint_layers: Iterable[GradientCheckpointingLayer]) -> Iterator[None]:
     """Generation needs its caches, which checkpointed layers drop in training mode; without gradients,
     checkpointing saves nothing anyway. Restored on exit."""
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    layers = [layer for layer in checkpoint_layers if layer.gradient_checkpointing]
     try:
         for layer in layers:
             layer.gradient_checkpointing = False

@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .caches import mix_recorded, pass_cache, recorded_key_values
+from .caches import PromptPassComplete, mix_recorded, pass_cache, recorded_key_values
 from .config import BituneConfig
 from .generation import BituneGenerationMixin, text_config
 from .layout import IGNORE_INDEX, Chunk, ConversationLayout, Turn, compact_left
@@ -72,6 +72,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Create the weight sets of `adapter_name` in the inner PEFT method, and its mixing scalars."""
+        self._forget_module_index()
         config: BituneConfig = self.peft_config[adapter_name]
         if not isinstance(config, BituneConfig):
             raise TypeError(f"BituneModel holds only Bitune adapters; `{adapter_name}` has a {type(config).__name__}.")
@@ -98,6 +99,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                 inner.inject_adapter(
                     model, name, autocast_adapter_dtype=autocast_adapter_dtype, low_cpu_mem_usage=low_cpu_mem_usage
                 )
+        self._forget_module_index()
         if "bitune_mixers" not in self._modules:
             self.bitune_mixers = nn.ModuleDict()
         device = next(p.device for p in model.parameters())
@@ -129,8 +131,20 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                             module.requires_grad_(trainable)
             self.bitune_mixers[adapter_name].requires_grad_(trainable and config.train_mixing)
 
-    def _tuner_layers(self) -> Iterator[BaseTunerLayer]:
-        return (module for module in self.model.modules() if isinstance(module, BaseTunerLayer))
+    def _module_index(self) -> _ModuleIndex:
+        """The model's tuner and checkpointing layers, found once: walking the whole module tree several times per
+        step costs more than the routing itself on deep models. Rebuilt whenever adapters are added or deleted."""
+        index = self.__dict__.get("_module_index_cache")
+        if index is None:
+            index = _ModuleIndex.of(self.model)
+            self.__dict__["_module_index_cache"] = index
+        return index
+
+    def _forget_module_index(self) -> None:
+        self.__dict__.pop("_module_index_cache", None)
+
+    def _tuner_layers(self) -> tuple[BaseTunerLayer, ...]:
+        return self._module_index().tuner_layers
 
     # ------------------------------------------------------------------ routing
     def _route_layers_to(self, inner_name: str) -> None:
@@ -139,11 +153,12 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
 
     @contextmanager
     def _routed_to(self, inner_name: str) -> Iterator[None]:
-        layers = list(self._tuner_layers())
+        layers = self._tuner_layers()
         previous = [layer._active_adapter for layer in layers]
+        routed = [inner_name]  # one list shared by all layers: PEFT replaces it, never mutates it
         try:
             for layer in layers:
-                layer._active_adapter = [inner_name]
+                layer._active_adapter = routed
             yield
         finally:
             for layer, active in zip(layers, previous):
@@ -167,8 +182,10 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         its pass has ended, so the recomputation is told to run under the weights of the pass that first ran it.
         Reentrant checkpointing silently loses the key/value projections' gradients, so it is refused.
         """
-        layers = [m for m in self.model.modules() if isinstance(m, GradientCheckpointingLayer)]
-        checkpointing = [m for m in layers if m.gradient_checkpointing and m.training]
+        checkpointing = [m for m in self._module_index().checkpoint_layers if m.gradient_checkpointing and m.training]
+        if not checkpointing:
+            yield
+            return
         for layer in checkpointing:
             keywords = getattr(getattr(layer, "_gradient_checkpointing_func", None), "keywords", {}) or {}
             if keywords.get("use_reentrant", True) is not False:
@@ -192,9 +209,22 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                     layer._can_checkpoint_with_cache = can_checkpoint
                 layer._gradient_checkpointing_func = checkpoint_func
 
+    def _prompt_passes_may_stop_early(self) -> bool:
+        """
+        Whether a prompt pass may end as soon as the last layer has recorded its keys/values (see `PromptPassComplete`).
+
+        Not under gradient checkpointing (leaving a checkpointed layer by an exception would leave its recomputation
+        hooks to the garbage collector), nor with accelerate offloading (the hook that offloads a layer's weights again
+        after its forward would not run).
+        """
+        index = self._module_index()
+        return not index.offloaded and not any(
+            layer.gradient_checkpointing and layer.training for layer in index.checkpoint_layers
+        )
+
     def _recompute_with_same_weights(self, checkpoint_func: Any) -> Any:
         def checkpoint_in_pass(function: Any, *args: Any, **kwargs: Any) -> Any:
-            routed = next(self._tuner_layers())._active_adapter[0]
+            routed = self._tuner_layers()[0]._active_adapter[0]
             if "context_fn" in kwargs:
                 raise ValueError("Bitune sets the checkpoint `context_fn` itself; remove it from the checkpoint kwargs.")
             return checkpoint_func(
@@ -241,6 +271,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             raise ValueError("Cannot delete the only Bitune adapter of the model; unload the model instead.")
         for name in set(self._inner_names(adapter_name).values()):
             self._inner_tuner.delete_adapter(name)
+        self._forget_module_index()
         del self.bitune_mixers[adapter_name]
         del self.peft_config[adapter_name]
         if adapter_name == self.active_adapter:
@@ -396,8 +427,9 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         """Steps 1-3 for one instruction segment: both prompt passes over its chunk, then the per-layer mix."""
         tokens = self._sequence_kwargs(chunk.gather(sequence), is_embeds)
         recorded = {}
+        stop_early = self._prompt_passes_may_stop_early()
         for weight_set in (BIDIRECTIONAL, CAUSAL):
-            recorded[weight_set] = _pass_cache(cache, self.model, record=True)
+            recorded[weight_set] = _pass_cache(cache, self.model, record=True, stop_after_last_record=stop_early)
             self._prompt_pass(
                 weight_set,
                 recorded[weight_set],
@@ -408,10 +440,14 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         return mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer)
 
     def _prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: torch.Tensor) -> None:
-        """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used)."""
+        """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used; a
+        cache that stops the pass after its last layer's keys/values ends it there)."""
         is_causal = weight_set == CAUSAL or self.peft_config[self.active_adapter].second_pass_attention == CAUSAL
         with self.weights(weight_set):
-            _decoder(self.model)(past_key_values=cache, use_cache=False, is_causal=is_causal, **inputs)
+            try:
+                _decoder(self.model)(past_key_values=cache, use_cache=False, is_causal=is_causal, **inputs)
+            except PromptPassComplete:
+                pass
 
     def _answer_pass(
         self,
@@ -458,6 +494,31 @@ def _answer_loss(
     return loss / num_items_in_batch
 
 
+@dataclass(frozen=True)
+class _ModuleIndex:
+    """The modules of the base model that Bitune touches on every pass."""
+
+    tuner_layers: tuple[BaseTunerLayer, ...]
+    checkpoint_layers: tuple[GradientCheckpointingLayer, ...]
+    offloaded: bool  # accelerate moves some weights onto the device only for the duration of a forward
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _ModuleIndex:
+        modules = list(model.modules())
+        return cls(
+            tuple(m for m in modules if isinstance(m, BaseTunerLayer)),
+            tuple(m for m in modules if isinstance(m, GradientCheckpointingLayer)),
+            any(_offloads(getattr(m, "_hf_hook", None)) for m in modules),
+        )
+
+
+def _offloads(hook: Any) -> bool:
+    """Whether an accelerate hook (or any hook of a `SequentialHook`) offloads weights after the forward."""
+    if hook is None:
+        return False
+    return bool(getattr(hook, "offload", False)) or any(_offloads(inner) for inner in getattr(hook, "hooks", ()))
+
+
 @dataclass
 class _TrainingCache:
     """The keys/values a training batch has built so far: one tensor per layer, left-aligned, with its mask."""
@@ -481,10 +542,14 @@ class _TrainingCache:
         return cls(list(compacted[1 : 1 + count]), list(compacted[1 + count :]), compacted[0])
 
 
-def _pass_cache(cache: _TrainingCache | None, model: nn.Module, record: bool) -> Cache:
+def _pass_cache(
+    cache: _TrainingCache | None, model: nn.Module, record: bool, stop_after_last_record: bool = False
+) -> Cache:
     if cache is None:
-        return pass_cache(_num_layers(model), record=record)
-    return pass_cache(_num_layers(model), cache.keys, cache.values, record=record)
+        return pass_cache(_num_layers(model), record=record, stop_after_last_record=stop_after_last_record)
+    return pass_cache(
+        _num_layers(model), cache.keys, cache.values, record=record, stop_after_last_record=stop_after_last_record
+    )
 
 
 def _pass_attention_mask(cache: _TrainingCache | None, chunk: Chunk) -> torch.Tensor:

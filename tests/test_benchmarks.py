@@ -52,9 +52,9 @@ def test_quick_run_on_a_tiny_model_writes_every_headline_ratio(tmp_path):
         p, a = row["prompt_length"], row["answer_length"]
         assert row["compute_bound"] == pytest.approx((2 * p + a) / (p + a))
         assert row["ratio_to_bound"] == pytest.approx(row["time"]["ratio"] / row["compute_bound"])
-        # Bitune reads the prompt twice but runs the LM head on the answer only: more matmul FLOPs than LoRA,
-        # never more than the bound.
-        assert 1 < row["linear_flop_ratio"] < row["compute_bound"]
+        # Bitune reads the prompt twice but runs the LM head on the answer only, and its prompt passes end at the
+        # last layer's keys/values: never more matmul FLOPs than the bound.
+        assert row["linear_flop_ratio"] < row["compute_bound"]
     assert report["train_ratio_to_bound"] == max(r["ratio_to_bound"] for r in report["train"])
 
     assert sorted(r["batch_size"] for r in report["generation"]) == [1, 16]

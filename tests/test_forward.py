@@ -300,3 +300,51 @@ def test_alpha_formula_matches_the_paper(load_base):
     coefficients = model.base_model.get_mixing_coefficients()
     torch.testing.assert_close(coefficients["keys"], key_alpha.detach())
     torch.testing.assert_close(coefficients["values"], value_alpha.detach())
+
+
+def _count_calls(module) -> list[int]:
+    calls = [0]
+    module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_prompt_passes_stop_at_the_last_layers_keys_and_values(load_base):
+    # Only the last layer's keys/values of a prompt pass are used: its MLP runs in the answer pass alone, in training
+    # and in generation alike.
+    model = make_bitune(load_base("llama"))
+    last_mlp_calls = _count_calls(model.base_model.model.model.layers[-1].mlp)
+    model.train()
+    _, batch, _ = make_batch("right")
+    model(**batch).loss.backward()
+    assert last_mlp_calls[0] == 1
+
+    last_mlp_calls[0] = 0
+    prompt = torch.randint(3, VOCAB, (2, 6))
+    model.generate(input_ids=prompt, max_new_tokens=1, do_sample=False)
+    assert last_mlp_calls[0] == 1  # the last prompt token's step; neither prompt pass reached the MLP
+
+
+def test_prompt_passes_run_to_the_end_under_gradient_checkpointing(load_base):
+    # Leaving a checkpointed layer by an exception would leave its recomputation state to the garbage collector.
+    model = make_bitune(load_base("llama"))
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    last_mlp_calls = _count_calls(model.base_model.model.model.layers[-1].mlp)
+    model.train()
+    _, batch, _ = make_batch("right")
+    loss = model(**batch).loss
+    assert last_mlp_calls[0] == 3  # all three passes ran the last layer to its end
+    loss.backward()
+
+
+def test_prompt_passes_run_to_the_end_with_accelerate_offloading(load_base):
+    # accelerate puts offloaded weights back after a module's forward: a pass stopped inside the layer would skip that.
+    from accelerate import cpu_offload
+
+    expected = make_bitune(load_base("llama"))(**make_batch("right")[1]).loss
+    model = make_bitune(load_base("llama"))
+    cpu_offload(model.base_model.model, execution_device="cpu")
+    model.base_model._forget_module_index()  # the hooks were added after the adapter was injected
+    last_mlp_calls = _count_calls(model.base_model.model.model.layers[-1].mlp)
+    loss = model(**make_batch("right")[1]).loss
+    assert last_mlp_calls[0] == 3
+    torch.testing.assert_close(loss, expected)
