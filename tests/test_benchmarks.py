@@ -66,9 +66,25 @@ def test_quick_run_on_a_tiny_model_writes_every_headline_ratio(tmp_path):
     (batching,) = report["batching"]
     assert positive_finite(batching["bitune_speedup"]["ratio"]) and positive_finite(batching["bitune_examples_per_s"])
     assert report["batching_speedup"] == batching["bitune_speedup"]["ratio"]
+    assert positive_finite(batching["lora_speedup"]["ratio"])
+    assert report["lora_batching_speedup"] == batching["lora_speedup"]["ratio"]
 
     for table in ("Training step", "Generation", "Batching", "Targets"):
         assert table in result.stdout
+
+
+@pytest.mark.slow
+def test_fused_prompt_pass_estimate_prints_a_ratio_per_cell():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "fused_prompt_passes.py"), "--model", "tiny",
+                             "--rounds", "1"], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("inference", "training"))]
+    assert [(mode, int(batch), int(p)) for mode, batch, p, *_ in rows] == [
+        (mode, batch, p) for mode in ("inference", "training") for batch, p in ((1, 128), (8, 32), (8, 128), (16, 128))]
+    for *_, two, fused, ratio in rows:
+        assert positive_finite(float(two)) and positive_finite(float(fused))
+        assert float(ratio) == pytest.approx(float(fused) / float(two), abs=2e-3 + 0.06 * float(ratio))
 
 
 def test_a_missing_json_folder_is_refused_before_any_work(tmp_path):
