@@ -279,6 +279,18 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         else:
             self._route_layers_to(self._inner_names(self.active_adapter)[CAUSAL])
 
+    def enable_adapter_layers(self) -> None:
+        """Enable the adapters again. PEFT re-activates each layer's routed adapter only, which would leave the
+        bidirectional weight set frozen for good; both weight sets and the mixing scalars train again instead."""
+        super().enable_adapter_layers()
+        self._route_layers_to(self._inner_names(self.active_adapter)[CAUSAL])
+        self._apply_trainable_state()
+
+    def disable_adapter_layers(self) -> None:
+        """Disable the adapters (the model is then the base model); like PEFT, nothing of the adapters trains."""
+        super().disable_adapter_layers()
+        self.bitune_mixers.requires_grad_(False)
+
     def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
         self._inner_tuner._mark_only_adapters_as_trainable(model)
         self._apply_trainable_state()

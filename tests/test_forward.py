@@ -205,6 +205,19 @@ def test_disable_adapter_gives_the_base_model_outputs(load_base):
     assert not torch.allclose(model(**batch).loss, expected.loss)
 
 
+def test_both_weight_sets_and_the_mixing_train_again_after_disable_adapter(load_base):
+    model = make_bitune(load_base("llama"))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert any("bidirectional" in name for name in trainable) and any("bitune_mixers" in name for name in trainable)
+    with model.disable_adapter():
+        assert not any(p.requires_grad for p in model.parameters())
+    assert {name for name, p in model.named_parameters() if p.requires_grad} == trainable
+    model.train()
+    model(**make_batch("right")[1]).loss.backward()
+    assert model.base_model.mixer.key_weights.grad is not None
+    assert any(p.grad is not None for name, p in model.named_parameters() if "bidirectional" in name)
+
+
 def test_shared_weights_ablation_uses_one_weight_set_for_both_passes(load_base):
     model = make_bitune(load_base("llama"), shared_weights=True)
     model.train()
