@@ -279,6 +279,20 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         else:
             self._route_layers_to(self._inner_names(self.active_adapter)[CAUSAL])
 
+    def set_requires_grad(self, adapter_names: str | list[str], requires_grad: bool = True) -> None:
+        """Enable or disable the gradients of Bitune adapters: both weight sets, and the mixing scalars unless the
+        adapter was configured with `train_mixing=False`. (PEFT's own version looks for the Bitune name on the layers,
+        which hold the inner names, and would change nothing.)"""
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        unknown = sorted(set(names) - set(self.peft_config))
+        if unknown:
+            raise ValueError(f"Adapters {unknown} not found; available: {sorted(self.peft_config)}.")
+        for name in names:
+            inner_names = sorted(set(self._inner_names(name).values()))
+            for layer in self._tuner_layers():
+                layer.set_requires_grad(adapter_names=inner_names, requires_grad=requires_grad)
+            self.bitune_mixers[name].requires_grad_(requires_grad and self.peft_config[name].train_mixing)
+
     def enable_adapter_layers(self) -> None:
         """Enable the adapters again. PEFT re-activates each layer's routed adapter only, which would leave the
         bidirectional weight set frozen for good; both weight sets and the mixing scalars train again instead."""

@@ -218,6 +218,17 @@ def test_both_weight_sets_and_the_mixing_train_again_after_disable_adapter(load_
     assert any(p.grad is not None for name, p in model.named_parameters() if "bidirectional" in name)
 
 
+def test_set_requires_grad_acts_on_both_weight_sets_and_the_mixing(load_base):
+    model = make_bitune(load_base("llama"))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    model.set_requires_grad("default", requires_grad=False)
+    assert not any(p.requires_grad for p in model.parameters())
+    model.set_requires_grad(["default"])
+    assert {name for name, p in model.named_parameters() if p.requires_grad} == trainable
+    with pytest.raises(ValueError, match=r"\['other'\] not found"):
+        model.set_requires_grad("other")
+
+
 def test_shared_weights_ablation_uses_one_weight_set_for_both_passes(load_base):
     model = make_bitune(load_base("llama"), shared_weights=True)
     model.train()
