@@ -32,7 +32,7 @@ class PromptPassComplete(Exception):
 
 class PassCacheLayer(CacheLayerMixin):
     """
-    One decoder layer's cache for one training pass.
+    One decoder layer's cache for one pass (training, or a prompt pass of generation).
 
     Tensors are `[batch_size, num_kv_heads, seq_len, head_dim]`.
 

@@ -45,10 +45,9 @@ class BituneGenerationMixin:
         if prompt_ids.shape[1] == 0:
             return cache
         recorded = {}
+        stop_early = self._prompt_passes_may_stop_early()
         for weight_set in (BIDIRECTIONAL, CAUSAL):
-            recorded[weight_set] = pass_cache(
-                len(cache.layers), record=True, stop_after_last_record=self._prompt_passes_may_stop_early()
-            )
+            recorded[weight_set] = pass_cache(len(cache.layers), record=True, stop_after_last_record=stop_early)
             self._prompt_pass(
                 weight_set, recorded[weight_set], input_ids=prompt_ids, attention_mask=prompt_mask,
                 position_ids=positions_for(prompt_mask),
@@ -172,8 +171,9 @@ class BituneGenerationMixin:
         if width - 1 == answered:
             return  # a one-token instruction adds nothing to mix
         recorded = {}
+        stop_early = self._prompt_passes_may_stop_early()
         for weight_set in (BIDIRECTIONAL, CAUSAL):
-            recorded[weight_set] = reading_pass_cache(cache, self._prompt_passes_may_stop_early())
+            recorded[weight_set] = reading_pass_cache(cache, stop_early)
             self._prompt_pass(
                 weight_set,
                 recorded[weight_set],

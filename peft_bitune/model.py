@@ -211,16 +211,16 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
 
     def _prompt_passes_may_stop_early(self) -> bool:
         """
-        Whether a prompt pass may end as soon as the last layer has recorded its keys/values (see `PromptPassComplete`).
+        Whether a prompt pass may end as soon as the last layer has recorded its keys/values (`PromptPassComplete`).
 
-        Not under gradient checkpointing (leaving a checkpointed layer by an exception would leave its recomputation
-        hooks to the garbage collector), nor with accelerate offloading (the hook that offloads a layer's weights again
-        after its forward would not run).
+        Leaving the decoder by an exception skips whatever was to run after the forwards it leaves. So the passes run
+        to the end under gradient checkpointing (a checkpointed layer's recomputation state would be left to the
+        garbage collector) and whenever something hooks into module forwards: accelerate (offloading, device maps),
+        FSDP, DeepSpeed ZeRO-3 or the user's own hooks.
         """
-        index = self._module_index()
-        return not index.offloaded and not any(
-            layer.gradient_checkpointing and layer.training for layer in index.checkpoint_layers
-        )
+        if any(layer.gradient_checkpointing and layer.training for layer in self._module_index().checkpoint_layers):
+            return False
+        return not _forwards_are_hooked(self.model)
 
     def _recompute_with_same_weights(self, checkpoint_func: Any) -> Any:
         def checkpoint_in_pass(function: Any, *args: Any, **kwargs: Any) -> Any:
@@ -409,19 +409,22 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             mode=self.peft_config[self.active_adapter].multi_turn,
         )
         is_embeds = input_ids is None
+        stop_early = self._prompt_passes_may_stop_early()
         with self._checkpointing_keeps_caches():
             if layout.mode == "history":
-                answer_logits = [self._run_turns([turn], sequence[turn.rows], is_embeds, **kwargs)[0]
+                answer_logits = [self._run_turns([turn], sequence[turn.rows], is_embeds, stop_early, **kwargs)[0]
                                  for turn in layout.turns]
             else:
-                answer_logits = self._run_turns(layout.turns, sequence, is_embeds, **kwargs)
+                answer_logits = self._run_turns(layout.turns, sequence, is_embeds, stop_early, **kwargs)
         loss = None
         if labels is not None:
             loss = _answer_loss(answer_logits, [turn.answer.labels for turn in layout.turns], num_items_in_batch)
         logits = layout.scatter_answers(answer_logits, sequence.shape[0], sequence.shape[1])
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    def _run_turns(self, turns: list[Turn], sequence: torch.Tensor, is_embeds: bool, **kwargs: Any) -> list[torch.Tensor]:
+    def _run_turns(
+        self, turns: list[Turn], sequence: torch.Tensor, is_embeds: bool, stop_early: bool, **kwargs: Any
+    ) -> list[torch.Tensor]:
         """
         Run instruction/answer turns in order over one growing cache; returns each turn's answer logits
         (rows, width, vocab).
@@ -435,7 +438,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         for number, turn in enumerate(turns):
             is_last = number == len(turns) - 1
             if turn.prefill.width > 0:
-                keys, values = self._mixed_prefill(turn.prefill, sequence, cache, is_embeds)
+                keys, values = self._mixed_prefill(turn.prefill, sequence, cache, is_embeds, stop_early)
                 cache = _TrainingCache.extend(cache, keys, values, turn.prefill.mask)
             turn_logits, recorded = self._answer_pass(turn.answer, sequence, cache, is_embeds, record=not is_last,
                                                       **kwargs)
@@ -448,12 +451,12 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         return {"inputs_embeds": tokens} if is_embeds else {"input_ids": tokens}
 
     def _mixed_prefill(
-        self, chunk: Chunk, sequence: torch.Tensor, cache: _TrainingCache | None, is_embeds: bool
+        self, chunk: Chunk, sequence: torch.Tensor, cache: _TrainingCache | None, is_embeds: bool, stop_early: bool
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Steps 1-3 for one instruction segment: both prompt passes over its chunk, then the per-layer mix."""
+        """Steps 1-3 for one instruction segment: both prompt passes over its chunk (ended at the last layer's
+        keys/values if `stop_early`), then the per-layer mix."""
         tokens = self._sequence_kwargs(chunk.gather(sequence), is_embeds)
         recorded = {}
-        stop_early = self._prompt_passes_may_stop_early()
         for weight_set in (BIDIRECTIONAL, CAUSAL):
             recorded[weight_set] = _pass_cache(cache, self.model, record=True, stop_after_last_record=stop_early)
             self._prompt_pass(
@@ -526,7 +529,6 @@ class _ModuleIndex:
 
     tuner_layers: tuple[BaseTunerLayer, ...]
     checkpoint_layers: tuple[GradientCheckpointingLayer, ...]
-    offloaded: bool  # accelerate moves some weights onto the device only for the duration of a forward
 
     @classmethod
     def of(cls, model: nn.Module) -> _ModuleIndex:
@@ -534,15 +536,40 @@ class _ModuleIndex:
         return cls(
             tuple(m for m in modules if isinstance(m, BaseTunerLayer)),
             tuple(m for m in modules if isinstance(m, GradientCheckpointingLayer)),
-            any(_offloads(getattr(m, "_hf_hook", None)) for m in modules),
         )
 
 
-def _offloads(hook: Any) -> bool:
-    """Whether an accelerate hook (or any hook of a `SequentialHook`) offloads weights after the forward."""
-    if hook is None:
-        return False
-    return bool(getattr(hook, "offload", False)) or any(_offloads(inner) for inner in getattr(hook, "hooks", ()))
+# transformers' hooks for `output_attentions`/`output_hidden_states`: idle unless those are asked for.
+_OUTPUT_CAPTURING_HOOKS = "transformers.utils.output_capturing"
+
+
+def _forwards_are_hooked(model: nn.Module) -> bool:
+    """Whether anything runs around the module forwards of `model`: forward hooks (FSDP2, DeepSpeed, the user's),
+    accelerate hooks, FSDP1 wrappers. Checked on every forward, as these are added after the adapter (`prepare`)."""
+
+    def active(hooks: dict) -> bool:
+        return any(getattr(hook, "__module__", None) != _OUTPUT_CAPTURING_HOOKS for hook in hooks.values())
+
+    fsdp = _fsdp_wrapper_class()
+    module_globals = nn.modules.module
+    if active(getattr(module_globals, "_global_forward_hooks", {})) or active(
+        getattr(module_globals, "_global_forward_pre_hooks", {})
+    ):
+        return True
+    for module in model.modules():
+        if getattr(module, "_hf_hook", None) is not None or (fsdp is not None and isinstance(module, fsdp)):
+            return True
+        if active(module._forward_hooks) or active(module._forward_pre_hooks):
+            return True
+    return False
+
+
+def _fsdp_wrapper_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
 
 
 @dataclass

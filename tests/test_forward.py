@@ -327,8 +327,15 @@ def test_alpha_formula_matches_the_paper(load_base):
 
 
 def _count_calls(module) -> list[int]:
+    """Count `module`'s forward calls without a hook (a forward hook makes the prompt passes run to the end)."""
     calls = [0]
-    module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    forward = module.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return forward(*args, **kwargs)
+
+    module.forward = counted
     return calls
 
 
@@ -348,6 +355,17 @@ def test_prompt_passes_stop_at_the_last_layers_keys_and_values(load_base):
     assert last_mlp_calls[0] == 1  # the last prompt token's step; neither prompt pass reached the MLP
 
 
+def test_output_capturing_hooks_do_not_keep_prompt_passes_running(load_base):
+    # transformers installs (idle) forward hooks the first time hidden states or attentions are asked for.
+    model = make_bitune(load_base("llama"))
+    with model.base_model.weights("causal"):
+        model.base_model.model(input_ids=torch.randint(3, VOCAB, (1, 4)), output_hidden_states=True)
+    assert any(len(m._forward_hooks) for m in model.modules())
+    last_mlp_calls = _count_calls(model.base_model.model.model.layers[-1].mlp)
+    model(**make_batch("right")[1])
+    assert last_mlp_calls[0] == 1
+
+
 def test_prompt_passes_run_to_the_end_under_gradient_checkpointing(load_base):
     # Leaving a checkpointed layer by an exception would leave its recomputation state to the garbage collector.
     model = make_bitune(load_base("llama"))
@@ -360,6 +378,17 @@ def test_prompt_passes_run_to_the_end_under_gradient_checkpointing(load_base):
     loss.backward()
 
 
+def test_forward_hooks_see_every_pass_run_to_its_end(load_base):
+    # FSDP2 and DeepSpeed ZeRO-3 work through forward hooks, and so may the user: none of them is skipped.
+    expected = make_bitune(load_base("llama"))(**make_batch("right")[1]).loss
+    model = make_bitune(load_base("llama"))
+    outputs = []
+    model.base_model.model.model.layers[-1].register_forward_hook(lambda module, args, output: outputs.append(output))
+    loss = model(**make_batch("right")[1]).loss
+    assert len(outputs) == 3
+    torch.testing.assert_close(loss, expected)
+
+
 def test_prompt_passes_run_to_the_end_with_accelerate_offloading(load_base):
     # accelerate puts offloaded weights back after a module's forward: a pass stopped inside the layer would skip that.
     from accelerate import cpu_offload
@@ -367,7 +396,6 @@ def test_prompt_passes_run_to_the_end_with_accelerate_offloading(load_base):
     expected = make_bitune(load_base("llama"))(**make_batch("right")[1]).loss
     model = make_bitune(load_base("llama"))
     cpu_offload(model.base_model.model, execution_device="cpu")
-    model.base_model._forget_module_index()  # the hooks were added after the adapter was injected
     last_mlp_calls = _count_calls(model.base_model.model.model.layers[-1].mlp)
     loss = model(**make_batch("right")[1]).loss
     assert last_mlp_calls[0] == 3
