@@ -24,6 +24,17 @@ def make_bitune(base, adapter_config=None, seed: int = 0, **config_kwargs):
     return model
 
 
+def left_padded(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """1D token rows as a left-padded batch (pad id 0): `input_ids` and `attention_mask`."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row) :] = row
+        attention_mask[i, width - len(row) :] = 1
+    return dict(input_ids=input_ids, attention_mask=attention_mask)
+
+
 def alphas(model) -> tuple[torch.Tensor, torch.Tensor]:
     bitune = model.base_model
     mixer = bitune.bitune_mixers[bitune.active_adapter]

@@ -7,19 +7,14 @@ import torch
 from transformers import DynamicCache
 
 from conftest import VOCAB
-from reference import make_bitune
+from reference import left_padded, make_bitune
 
 SETTINGS = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
 
 
 def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = row
-        mask[i, width - len(row) :] = 1
-    return ids, mask
+    batch = left_padded(rows)
+    return batch["input_ids"], batch["attention_mask"]
 
 
 def chat(model, instructions_per_turn: list[list[torch.Tensor]]):

@@ -7,7 +7,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import ATTENTION_CASES, VOCAB
-from reference import make_bitune, reference_greedy, reference_prefill
+from reference import left_padded, make_bitune, reference_greedy, reference_prefill
 
 PROMPT_LENGTHS = [9, 1, 4, 12]
 
@@ -15,16 +15,6 @@ PROMPT_LENGTHS = [9, 1, 4, 12]
 def prompts(seed: int = 3, lengths=PROMPT_LENGTHS) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=generator) for n in lengths]
-
-
-def left_padded(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, row in enumerate(rows):
-        input_ids[i, width - len(row) :] = row
-        attention_mask[i, width - len(row) :] = 1
-    return dict(input_ids=input_ids, attention_mask=attention_mask)
 
 
 def generated(output, batch) -> torch.Tensor:
