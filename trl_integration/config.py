@@ -19,8 +19,6 @@ class BituneSFTConfig(SFTConfig):
     settings below.
 
     Parameters:
-        > Parameters that control the logging of the mixing coefficients
-
         mixing_logging_steps (`int` or `None`, *optional*, defaults to `100`):
             The mean mixing coefficient (alpha) of keys and of values is added to every training log, as
             `bitune/alpha_keys_mean` and `bitune/alpha_values_mean`. Every layer's alphas

@@ -54,10 +54,10 @@ class BituneLM(HFLM):
         pretrained (`str` or `PeftModel`): the base model (name or path, with `peft=` the adapter), or an already
             built Bitune `PeftModel` (then pass `tokenizer=` too).
         peft (`str`, *optional*): the Bitune adapter (path or Hub name), loaded with `PeftModel.from_pretrained`.
-        batch_size (`int`, *optional*, defaults to 1): rows per forward: contexts per prefill and continuations per
-            answer pass (log-likelihood), prompts per `generate` call (generation). `"auto"` is not supported.
         **kwargs: every other argument of the harness's `hf` model (`dtype`, `device`, `max_length`, `tokenizer`,
             `softmax_dtype`, ...). Log-probabilities are computed in float32 unless `softmax_dtype` says otherwise.
+            `batch_size` (defaults to 1) is the number of rows per forward: contexts per prefill and continuations per
+            answer pass (log-likelihood), prompts per `generate` call (generation); `"auto"` is not supported.
 
     Example:
         >>> import peft_bitune.evaluation.harness  # registers "bitune"

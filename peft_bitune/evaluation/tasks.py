@@ -33,7 +33,8 @@ class TaskFormat:
     Args:
         name (`str`): short name (`"piqa"`); the harness task is `bitune_<name>`.
         harness_task (`str`): the harness's own task on the same data (with the harness's own prompt).
-        dataset_path, dataset_name (`str`): the dataset, as `datasets.load_dataset(dataset_path, dataset_name)`.
+        dataset_path (`str`): the dataset, as `datasets.load_dataset(dataset_path, dataset_name)`.
+        dataset_name (`str` or `None`): the dataset's configuration, if it has several.
         train_split (`str` or `None`): the split to finetune on; `None` where the paper only evaluated zero-shot.
         eval_split (`str`): the split the paper's numbers are reported on.
         instruction (`Callable[[Row], str]`): the instruction, ending in `"Answer:"`.
