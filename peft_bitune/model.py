@@ -215,12 +215,14 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
 
         Leaving the decoder by an exception skips whatever was to run after the forwards it leaves. So the passes run
         to the end under gradient checkpointing (a checkpointed layer's recomputation state would be left to the
-        garbage collector) and whenever something hooks into module forwards: accelerate (offloading, device maps),
-        FSDP, DeepSpeed ZeRO-3 or the user's own hooks.
+        garbage collector) and whenever something hooks into the decoder forwards the stop leaves or skips (all but
+        those of the earlier layers, which finish): accelerate (offloading, device maps), FSDP, DeepSpeed ZeRO-3 or the
+        user's own hooks. Only those modules are checked: a walk of the whole model costs milliseconds on deep models.
         """
-        if any(layer.gradient_checkpointing and layer.training for layer in self._module_index().checkpoint_layers):
+        index = self._module_index()
+        if any(layer.gradient_checkpointing and layer.training for layer in index.checkpoint_layers):
             return False
-        return not _forwards_are_hooked(self.model)
+        return not _forwards_are_hooked(index.early_exit_path)
 
     def _recompute_with_same_weights(self, checkpoint_func: Any) -> Any:
         def checkpoint_in_pass(function: Any, *args: Any, **kwargs: Any) -> Any:
@@ -529,13 +531,20 @@ class _ModuleIndex:
 
     tuner_layers: tuple[BaseTunerLayer, ...]
     checkpoint_layers: tuple[GradientCheckpointingLayer, ...]
+    # The decoder's modules that a prompt pass stopped at the last layer's keys/values leaves early or skips: all but
+    # those inside the earlier decoder layers, which finish before it stops.
+    early_exit_path: tuple[nn.Module, ...]
 
     @classmethod
     def of(cls, model: nn.Module) -> _ModuleIndex:
         modules = list(model.modules())
+        decoder = _decoder(model)
+        decoder_layers = [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
+        finished = {id(m) for layer in decoder_layers[:-1] for m in layer.modules()}
         return cls(
             tuple(m for m in modules if isinstance(m, BaseTunerLayer)),
             tuple(m for m in modules if isinstance(m, GradientCheckpointingLayer)),
+            tuple(m for m in decoder.modules() if id(m) not in finished),
         )
 
 
@@ -543,33 +552,29 @@ class _ModuleIndex:
 _OUTPUT_CAPTURING_HOOKS = "transformers.utils.output_capturing"
 
 
-def _forwards_are_hooked(model: nn.Module) -> bool:
-    """Whether anything runs around the module forwards of `model`: forward hooks (FSDP2, DeepSpeed, the user's),
-    accelerate hooks, FSDP1 wrappers. Checked on every forward, as these are added after the adapter (`prepare`)."""
+def _forwards_are_hooked(modules: tuple[nn.Module, ...]) -> bool:
+    """Whether anything runs around the forwards of `modules`: forward hooks (FSDP2, DeepSpeed, the user's),
+    accelerate hooks, FSDP (1 or 2) management. Checked on every forward, as these are added after the adapter
+    (`accelerator.prepare`)."""
 
     def active(hooks: dict) -> bool:
-        return any(getattr(hook, "__module__", None) != _OUTPUT_CAPTURING_HOOKS for hook in hooks.values())
+        return bool(hooks) and any(
+            getattr(hook, "__module__", None) != _OUTPUT_CAPTURING_HOOKS for hook in hooks.values()
+        )
 
-    fsdp = _fsdp_wrapper_class()
     module_globals = nn.modules.module
     if active(getattr(module_globals, "_global_forward_hooks", {})) or active(
         getattr(module_globals, "_global_forward_pre_hooks", {})
     ):
         return True
-    for module in model.modules():
-        if getattr(module, "_hf_hook", None) is not None or (fsdp is not None and isinstance(module, fsdp)):
+    for module in modules:
+        # Read from the instance dict: a missing attribute costs an exception in `nn.Module.__getattr__`.
+        attributes = vars(module)
+        if attributes.get("_hf_hook") is not None or attributes.get("_is_fsdp_managed_module", False):
             return True
         if active(module._forward_hooks) or active(module._forward_pre_hooks):
             return True
     return False
-
-
-def _fsdp_wrapper_class() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return FullyShardedDataParallel
 
 
 @dataclass

@@ -389,6 +389,25 @@ def test_forward_hooks_see_every_pass_run_to_its_end(load_base):
     torch.testing.assert_close(loss, expected)
 
 
+def test_a_hook_on_the_final_norm_sees_every_pass(load_base):
+    # The final norm is never reached by a stopped pass: a hook there keeps the passes running to the end.
+    model = make_bitune(load_base("llama"))
+    calls = []
+    model.base_model.model.model.norm.register_forward_hook(lambda *_: calls.append(1))
+    model(**make_batch("right")[1])
+    assert len(calls) == 3
+
+
+def test_hooks_on_earlier_layers_leave_the_early_stop_on(load_base):
+    # Earlier layers finish before a pass stops, so their hooks see all three passes anyway.
+    model = make_bitune(load_base("llama"))
+    calls = []
+    model.base_model.model.model.layers[0].register_forward_hook(lambda *_: calls.append(1))
+    last_mlp_calls = _count_calls(model.base_model.model.model.layers[-1].mlp)
+    model(**make_batch("right")[1])
+    assert len(calls) == 3 and last_mlp_calls[0] == 1
+
+
 def test_prompt_passes_run_to_the_end_with_accelerate_offloading(load_base):
     # accelerate puts offloaded weights back after a module's forward: a pass stopped inside the layer would skip that.
     from accelerate import cpu_offload
