@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .caches import BituneCache, append_key_values, mix_recorded, pass_cache, reading_pass_cache
+from .caches import BituneCache, append_key_values, pass_cache, reading_pass_cache
 
-CAUSAL, BIDIRECTIONAL = "causal", "bidirectional"
+CAUSAL = "causal"
 
 
 class BituneGenerationMixin:
@@ -44,15 +44,12 @@ class BituneGenerationMixin:
         cache.conversation_length = prompt_ids.shape[1]
         if prompt_ids.shape[1] == 0:
             return cache
-        recorded = {}
         stop_early = self._prompt_passes_may_stop_early()
-        for weight_set in (BIDIRECTIONAL, CAUSAL):
-            recorded[weight_set] = pass_cache(len(cache.layers), record=True, stop_after_last_record=stop_early)
-            self._prompt_pass(
-                weight_set, recorded[weight_set], input_ids=prompt_ids, attention_mask=prompt_mask,
-                position_ids=positions_for(prompt_mask),
-            )
-        append_key_values(cache, *mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer))
+        mixed = self._read_twice(
+            lambda: pass_cache(len(cache.layers), record=True, stop_after_last_record=stop_early),
+            input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_for(prompt_mask),
+        )
+        append_key_values(cache, *mixed)
         return cache
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -170,18 +167,14 @@ class BituneGenerationMixin:
                 )
         if width - 1 == answered:
             return  # a one-token instruction adds nothing to mix
-        recorded = {}
         stop_early = self._prompt_passes_may_stop_early()
-        for weight_set in (BIDIRECTIONAL, CAUSAL):
-            recorded[weight_set] = reading_pass_cache(cache, stop_early)
-            self._prompt_pass(
-                weight_set,
-                recorded[weight_set],
-                input_ids=input_ids[:, answered : width - 1],
-                attention_mask=attention_mask[:, : width - 1],
-                position_ids=positions[:, answered : width - 1],
-            )
-        append_key_values(cache, *mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer))
+        mixed = self._read_twice(
+            lambda: reading_pass_cache(cache, stop_early),
+            input_ids=input_ids[:, answered : width - 1],
+            attention_mask=attention_mask[:, : width - 1],
+            position_ids=positions[:, answered : width - 1],
+        )
+        append_key_values(cache, *mixed)
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
@@ -457,17 +457,22 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Steps 1-3 for one instruction segment: both prompt passes over its chunk (ended at the last layer's
         keys/values if `stop_early`), then the per-layer mix."""
-        tokens = self._sequence_kwargs(chunk.gather(sequence), is_embeds)
+        return self._read_twice(
+            lambda: _pass_cache(cache, self.model, record=True, stop_after_last_record=stop_early),
+            attention_mask=_pass_attention_mask(cache, chunk),
+            position_ids=chunk.positions,
+            **self._sequence_kwargs(chunk.gather(sequence), is_embeds),
+        )
+
+    def _read_twice(
+        self, recording_cache: Callable[[], Cache], **inputs: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Steps 1-3, for training and generation alike: the bidirectional then the causal prompt pass over `inputs`,
+        each recording into a fresh `recording_cache()`; returns the per-layer mix (keys, values) of the two records."""
         recorded = {}
         for weight_set in (BIDIRECTIONAL, CAUSAL):
-            recorded[weight_set] = _pass_cache(cache, self.model, record=True, stop_after_last_record=stop_early)
-            self._prompt_pass(
-                weight_set,
-                recorded[weight_set],
-                attention_mask=_pass_attention_mask(cache, chunk),
-                position_ids=chunk.positions,
-                **tokens,
-            )
+            recorded[weight_set] = recording_cache()
+            self._prompt_pass(weight_set, recorded[weight_set], **inputs)
         return mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer)
 
     def _prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: torch.Tensor) -> None:
