@@ -44,8 +44,8 @@ class PassCacheLayer(CacheLayerMixin):
             window); the mask is built over absolute positions.
         is_sliding (`bool`): mirrors the layer it reads from, so transformers sizes each mask type from a layer of
             that type.
-        stop_after_record (`bool`): raise `PromptPassComplete` once the chunk is recorded (set on the last layer; not
-            under gradient checkpointing, whose recomputation re-runs the layer to its end).
+        stop_after_record (`bool`): raise `PromptPassComplete` once the chunk is recorded (set on the last layer
+            where the model allows it: see `BituneModel._prompt_passes_may_stop_early`).
     """
 
     is_compileable = False

@@ -72,7 +72,6 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Create the weight sets of `adapter_name` in the inner PEFT method, and its mixing scalars."""
-        self._forget_module_index()
         config: BituneConfig = self.peft_config[adapter_name]
         if not isinstance(config, BituneConfig):
             raise TypeError(f"BituneModel holds only Bitune adapters; `{adapter_name}` has a {type(config).__name__}.")
