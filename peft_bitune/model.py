@@ -181,7 +181,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         its pass has ended, so the recomputation is told to run under the weights of the pass that first ran it.
         Reentrant checkpointing silently loses the key/value projections' gradients, so it is refused.
         """
-        checkpointing = [m for m in self._module_index().checkpoint_layers if m.gradient_checkpointing and m.training]
+        checkpointing = self._checkpointing_layers()
         if not checkpointing:
             yield
             return
@@ -218,10 +218,11 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         those of the earlier layers, which finish): accelerate (offloading, device maps), FSDP, DeepSpeed ZeRO-3 or the
         user's own hooks. Only those modules are checked: a walk of the whole model costs milliseconds on deep models.
         """
-        index = self._module_index()
-        if any(layer.gradient_checkpointing and layer.training for layer in index.checkpoint_layers):
-            return False
-        return not _forwards_are_hooked(index.early_exit_path)
+        return not self._checkpointing_layers() and not _forwards_are_hooked(self._module_index().early_exit_path)
+
+    def _checkpointing_layers(self) -> list[GradientCheckpointingLayer]:
+        """The layers that will checkpoint in this forward (checkpointing enabled, training mode)."""
+        return [m for m in self._module_index().checkpoint_layers if m.gradient_checkpointing and m.training]
 
     def _recompute_with_same_weights(self, checkpoint_func: Any) -> Any:
         def checkpoint_in_pass(function: Any, *args: Any, **kwargs: Any) -> Any:

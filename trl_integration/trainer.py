@@ -243,9 +243,8 @@ class BituneSFTTrainer(SFTTrainer):
             from peft_bitune.model_card import write_model_card
 
             bitune = self._bitune_model()
-            write_model_card(
-                self.args.output_dir, bitune.peft_config[bitune.active_adapter], getattr(self, "hub_model_id", None) or self.args.hub_model_id or self.args.output_dir
-            )
+            repo_id = getattr(self, "hub_model_id", None) or self.args.hub_model_id or self.args.output_dir
+            write_model_card(self.args.output_dir, bitune.peft_config[bitune.active_adapter], repo_id)
 
     def _bitune_model(self) -> BituneModel:
         peft_model = self.accelerator.unwrap_model(self.model)
