@@ -29,12 +29,15 @@ class ModelSize:
     num_attention_heads: int
     num_key_value_heads: int
     vocab_size: int
+    intermediate_size: int | None = None  # default: about 8/3 of the hidden size, a multiple of 64
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
 
     def llama_config(self) -> LlamaConfig:
         return LlamaConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
-            intermediate_size=self.hidden_size * 8 // 3 // 64 * 64,
+            intermediate_size=self.intermediate_size or self.hidden_size * 8 // 3 // 64 * 64,
             num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
@@ -42,7 +45,8 @@ class ModelSize:
             pad_token_id=0,
             bos_token_id=1,
             eos_token_id=2,
-            tie_word_embeddings=False,
+            tie_word_embeddings=self.tie_word_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
         )
 
 
@@ -52,6 +56,10 @@ MODEL_SIZES = {
     # The CPU default.
     "small": ModelSize(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                        vocab_size=4096),
+    # The shape of SmolLM2-135M-Instruct (docs/smollm2.md): 30 thin layers, grouped-query attention 9/3, a 49k
+    # vocabulary with tied embeddings. Random weights: timings do not depend on what the weights are.
+    "smollm2": ModelSize(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         vocab_size=49152, intermediate_size=1536, tie_word_embeddings=True, rope_theta=100000.0),
     # The GPU default: a ~1B-parameter Llama shape, where matrix products dominate as in real use.
     "medium": ModelSize(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                         vocab_size=32000),

@@ -132,3 +132,22 @@ def test_peak_memory_counts_tensors_made_during_the_call_until_they_are_freed():
     # relu output (saved) + relu's gradient + weight.grad, with the mm output already freed; a few scalars on top.
     peak = measure.peak_bytes_during(backward_peak, torch.device("cpu"))
     assert 3 * block <= peak < 3 * block + 1024
+
+
+def test_smollm2_shape_is_the_real_models():
+    """`--model smollm2` times the shape of SmolLM2-135M-Instruct (docs/smollm2.md): same layers, heads, vocabulary,
+    tied embeddings and parameter count (built on the meta device: no memory, no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from models import MODEL_SIZES
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    config = MODEL_SIZES["smollm2"].llama_config()
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (30, 576, 1536)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert config.vocab_size == 49152 and config.tie_word_embeddings
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
