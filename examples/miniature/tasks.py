@@ -14,6 +14,14 @@ A.10). The question comes before the passage in half of the rows and after it in
 | `category`   | multiple choice | what kind of word a person said (animal, food, ...) | the five categories |
 | `sum`        | generation      | the total of two people's counts                    | exact match         |
 
+Two more tasks, of the paper's other kinds, join them for the real-model experiment (`examples/smollm2/run.py`); the
+miniature's own experiment and committed data keep the five above:
+
+| task         | kind            | asks                                                | choices / scoring   |
+|--------------|-----------------|-----------------------------------------------------|---------------------|
+| `options`    | multiple choice | which of four listed items is in the bag; the question and its numbered options come as one block (before the story in half of the rows), answered by the option's number, as the paper's SIQA/MMLU formats | `(0)` ... `(3)` |
+| `cot_sum`    | generation      | the total of two of three people's counts, answered with chain-of-thought steps then `#### <number>` (A.9) | final number, by value |
+
 Multiple-choice tasks are scored by the log-likelihood of each choice as the answer (as the paper's zero-shot tasks);
 `sum` by exact match of the greedy answer. (Tasks that bind attributes to people among several, "what does Kalo
 eat?", were tried first and left out: no base this small learned them within the pretraining budget, nor did any
@@ -37,9 +45,13 @@ if str(Path(__file__).parent) not in sys.path:  # the sibling modules, also when
     sys.path.insert(0, str(Path(__file__).parent))
 import world  # noqa: E402
 
+from peft_bitune.evaluation.answers import format_cot_answer  # noqa: E402
+
 MULTIPLE_CHOICE_TASKS = ("membership", "count", "position", "category")
-GENERATION_TASKS = ("sum",)
-TASKS = MULTIPLE_CHOICE_TASKS + GENERATION_TASKS
+TASKS = MULTIPLE_CHOICE_TASKS + ("sum",)  # the miniature's suite
+PAPER_KIND_TASKS = ("options", "cot_sum")  # listed options answered by number (A.10), chain of thought (A.9)
+ALL_TASKS = TASKS + PAPER_KIND_TASKS
+GENERATION_TASKS = ("sum", "cot_sum")
 TRAIN_SEED, VALIDATION_SEED, TEST_SEED = 101, 202, 303
 DATA_SIZES = {"train": 300, "test": 200}  # rows per task in the committed JSONL files
 COUNT_CHOICES = ("2", "3", "4", "5")
@@ -110,7 +122,28 @@ def _sum(rng: random.Random, people: world.Entities) -> tuple[str, str, str]:
     return passage, f"How many {thing} did the two of them collect in all?", str(n + m)
 
 
-MULTIPLE_CHOICE_BUILDERS = {"membership": _membership, "count": _count, "position": _position, "category": _category}
+def _options(rng: random.Random, people: world.Entities) -> tuple[str, str, list[str], int]:
+    scene = _bag(rng, people)
+    inside = rng.choice(scene.items)
+    listed = rng.sample([t for t in world.THINGS if t not in scene.items], 3)
+    label = rng.randrange(4)
+    listed.insert(label, inside)
+    question = "Which of these is in the bag?\n" + "\n".join(f"({i}) {item}" for i, item in enumerate(listed))
+    return _bag_passage(scene), question, [f"({i})" for i in range(4)], label
+
+
+def _cot_sum(rng: random.Random, people: world.Entities) -> tuple[str, str, str]:
+    scene = world.count_scene(rng, people, 3, low=2)
+    passage = " ".join(f"{person} collected {count} {scene.thing}." for person, count in zip(scene.people, scene.counts))
+    first, second = sorted(rng.sample(range(3), 2))
+    (a, n), (b, m) = (scene.people[first], scene.counts[first]), (scene.people[second], scene.counts[second])
+    steps = [f"{a} collected {n} {scene.thing}.", f"{b} collected {m} {scene.thing}.", f"{n} + {m} = {n + m}."]
+    return passage, f"How many {scene.thing} did {a} and {b} collect together?", format_cot_answer(steps, str(n + m))
+
+
+MULTIPLE_CHOICE_BUILDERS = {"membership": _membership, "count": _count, "position": _position, "category": _category,
+                            "options": _options}
+GENERATION_BUILDERS = {"sum": _sum, "cot_sum": _cot_sum}
 
 
 def make_example(task: str, rng: random.Random, people: world.Entities) -> Example:
@@ -118,11 +151,11 @@ def make_example(task: str, rng: random.Random, people: world.Entities) -> Examp
     if task in MULTIPLE_CHOICE_BUILDERS:
         passage, question, choices, label = MULTIPLE_CHOICE_BUILDERS[task](rng, people)
         answer = choices[label]
-    elif task == "sum":
-        passage, question, answer = _sum(rng, people)
+    elif task in GENERATION_BUILDERS:
+        passage, question, answer = GENERATION_BUILDERS[task](rng, people)
         choices, label = [], -1
     else:
-        raise ValueError(f"Unknown task {task!r}; the tasks are {', '.join(TASKS)}.")
+        raise ValueError(f"Unknown task {task!r}; the tasks are {', '.join(ALL_TASKS)}.")
     return Example(task, instruction(passage, question, question_first), " " + answer, tuple(choices), label,
                    question_first)
 
