@@ -138,15 +138,86 @@ class BituneCache(DynamicCache):
     """
     The generation cache of a Bitune conversation.
 
-    It is a transformers `DynamicCache` and remembers how many input columns of the conversation it stands for
-    (`conversation_length`, the width of the last `generate` output), so that the next turn knows where the previous
-    answer ends and the new instruction begins.
+    It is a transformers `DynamicCache` that also keeps the conversation it stands for: the token ids of every row
+    (`conversation_ids`, the last `generate` output) and which of them are real (`conversation_mask`). The next turn
+    needs them to know where the previous answer ends and the new instruction begins, and to check that it continues
+    this very conversation (`check_continuation`): keys/values of another history would be silently wrong.
+
+    `generate` extends the cache in place. To branch a conversation (two different next turns from one point), continue
+    each branch from its own `copy.deepcopy` of the cache.
     """
 
     def __init__(self, *args, owner: torch.nn.Module | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.conversation_length = 0
+        self.conversation_ids: torch.Tensor | None = None
+        self.conversation_mask: torch.Tensor | None = None
         self._owner = weakref.ref(owner) if owner is not None else None
+
+    @property
+    def conversation_length(self) -> int:
+        """How many input columns of the conversation this cache stands for (0 before anything was recorded)."""
+        return 0 if self.conversation_ids is None else self.conversation_ids.shape[1]
+
+    def record_conversation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Remember the conversation the cache now stands for: (rows, columns) token ids and their attention mask
+        (1 on every token whose keys/values the cache holds as real)."""
+        if input_ids.shape != attention_mask.shape:
+            raise ValueError(
+                f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
+            )
+        self.conversation_ids = input_ids.detach().clone()
+        self.conversation_mask = attention_mask.detach().to(torch.bool).clone()
+
+    def check_continuation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """
+        Raise a `ValueError` unless `input_ids` is this cache's conversation followed by at least one new token.
+
+        Every column the conversation had is compared: where `attention_mask` marks a real token, it must be the
+        cached token, and it must have been real in the cache (a column may be dropped, e.g. padding after an answer
+        that ended early, but not added).
+
+        Args:
+            input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the conversation so far, then the new tokens.
+            attention_mask (`torch.Tensor` of shape (batch_size, seq_len)): 1 on real tokens.
+        """
+        if self.conversation_ids is None:
+            raise ValueError("This BituneCache holds no conversation yet: start one with `generate` or `prefill`.")
+        rows, width = self.conversation_ids.shape
+        if input_ids.shape != attention_mask.shape:
+            raise ValueError(
+                f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
+            )
+        if input_ids.dim() != 2 or input_ids.shape[0] != rows:
+            raise ValueError(
+                f"This cache holds {rows} conversations but `input_ids` has shape {tuple(input_ids.shape)}; continue "
+                "each conversation with exactly one row."
+            )
+        if not self.get_seq_length() <= width < input_ids.shape[1]:
+            raise ValueError(
+                f"`input_ids` ({input_ids.shape[1]} columns) must be the conversation so far ({width} columns: "
+                "the previous output sequences) followed by the new instruction."
+            )
+        history = input_ids[:, :width]
+        real = attention_mask[:, :width].bool()
+        cached_ids = self.conversation_ids.to(history.device)
+        cached_mask = self.conversation_mask.to(real.device)
+        added = real & ~cached_mask
+        if bool(added.any()):
+            row, column = (int(i) for i in added.nonzero()[0])
+            raise ValueError(
+                f"`attention_mask` marks column {column} of row {row} as a real token, but it was padding in the "
+                "conversation this cache holds: keep the attention mask of the earlier turns (0 on their padding)."
+            )
+        changed = real & (history != cached_ids)
+        if bool(changed.any()):
+            row, column = (int(i) for i in changed.nonzero()[0])
+            raise ValueError(
+                f"`input_ids` does not continue the conversation this cache holds: row {row}, column {column} is "
+                f"{int(history[row, column])}, the cache holds {int(cached_ids[row, column])}. Pass the previous "
+                "output sequences unchanged, then the new tokens. `generate` extends the cache in place, so a cache "
+                "cannot go back to an earlier point: to branch a conversation, continue each branch from its own "
+                "`copy.deepcopy(cache)`, taken at the branch point; to edit the history, start a new conversation."
+            )
 
     def belongs_to(self, model: torch.nn.Module) -> bool:
         """Whether this cache was made by `model` (the keys of another model would fit its shapes by accident)."""

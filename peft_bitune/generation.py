@@ -7,6 +7,7 @@ token runs causally, the new instruction minus its last token is read twice over
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,7 +42,7 @@ class BituneGenerationMixin:
     def _prefill_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> BituneCache:
         prompt_ids, prompt_mask = input_ids[:, :-1], attention_mask[:, :-1]
         cache = BituneCache(config=self.model.config, owner=self.model)
-        cache.conversation_length = prompt_ids.shape[1]
+        cache.record_conversation(prompt_ids, prompt_mask)
         if prompt_ids.shape[1] == 0:
             return cache
         stop_early = self._prompt_passes_may_stop_early()
@@ -70,26 +71,37 @@ class BituneGenerationMixin:
         input_ids = kwargs.get("input_ids")
         if input_ids is None:
             raise ValueError("Bitune `generate` needs `input_ids`: the prompt is read twice by token.")
+        _check_not_empty(input_ids)
         with _checkpointing_off(self._module_index().checkpoint_layers):
             return self._generate(input_ids, kwargs)
 
     def _generate(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         cache = kwargs.pop("past_key_values", None)
-        expand = _generation_expand_size(self.model, kwargs)
+        # transformers' own resolution and checks of the generation arguments, before the prompt passes run.
+        generation_config = _generation_config(self.model, kwargs)
+        expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        attention_mask = kwargs.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = _inferred_attention_mask(self.model, input_ids, generation_config)
         if cache is None:
-            attention_mask = _check_prompts(input_ids, kwargs.get("attention_mask"), _max_positions(self.model))
+            attention_mask = _check_prompts(input_ids, attention_mask, _max_positions(self.model))
             with torch.no_grad():
                 cache = self._prefill_cache(input_ids, attention_mask)
             if expand > 1:
                 cache.batch_repeat_interleave(expand)
         else:
-            attention_mask = self._check_conversation(cache, input_ids, kwargs.get("attention_mask"), expand)
+            attention_mask = self._check_conversation(cache, input_ids, attention_mask, expand)
             with torch.no_grad():
                 self._continue_conversation(cache, input_ids, attention_mask)
         kwargs["attention_mask"] = attention_mask
         output = self.model.generate(past_key_values=cache, **kwargs)
         sequences = output.sequences if hasattr(output, "sequences") else output
-        cache.conversation_length = sequences.shape[1]
+        rows_per_prompt = sequences.shape[0] // attention_mask.shape[0]
+        generated = sequences.shape[1] - attention_mask.shape[1]
+        cache.record_conversation(sequences, torch.cat([
+            attention_mask.repeat_interleave(rows_per_prompt, dim=0),
+            attention_mask.new_ones(sequences.shape[0], generated),  # what `generate` fed for every new token
+        ], dim=1))
         return output
 
     def _check_conversation(
@@ -129,12 +141,7 @@ class BituneGenerationMixin:
                 "Continuing a conversation supports one sequence per row (`num_beams=1`, `num_return_sequences=1`)."
             )
         attention_mask = attention_mask_for(input_ids, attention_mask)
-        answered = cache.conversation_length
-        if not cache.get_seq_length() <= answered < input_ids.shape[1]:
-            raise ValueError(
-                f"`input_ids` ({input_ids.shape[1]} columns) must be the conversation so far ({answered} columns: "
-                "the previous output sequences) followed by the new instruction."
-            )
+        cache.check_continuation(input_ids, attention_mask)
         if not bool(attention_mask[:, -1].bool().all()):
             raise ValueError("The new instruction must be left-padded: every row must end with a real token.")
         if any(cache.is_sliding) and _has_holes(attention_mask):
@@ -224,10 +231,17 @@ def _max_positions(model: Any) -> int | None:
     return getattr(text_config(model), "max_position_embeddings", None)
 
 
+def _check_not_empty(input_ids: torch.Tensor) -> None:
+    if input_ids.dim() != 2 or 0 in input_ids.shape:
+        raise ValueError(
+            f"`input_ids` must be a non-empty (batch_size, seq_len) tensor, got shape {tuple(input_ids.shape)}: "
+            "give at least one prompt of at least one token."
+        )
+
+
 def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_positions: int | None) -> torch.Tensor:
     """Refuse empty, right-padded, holed or over-long prompts before any compute; returns the attention mask."""
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"`input_ids` must be a non-empty (batch_size, seq_len) tensor, got shape {tuple(input_ids.shape)}.")
+    _check_not_empty(input_ids)
     attention_mask = attention_mask_for(input_ids, attention_mask)
     valid = attention_mask.bool()
     lengths = valid.sum(dim=1)
@@ -250,9 +264,32 @@ def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     return attention_mask
 
 
-def _generation_expand_size(model: Any, kwargs: dict[str, Any]) -> int:
-    """How many sequences `generate` makes of each prompt (its own rule: max(num_beams, num_return_sequences))."""
-    generation_config = kwargs.get("generation_config") or model.generation_config
-    num_beams = kwargs.get("num_beams", generation_config.num_beams) or 1
-    num_return_sequences = kwargs.get("num_return_sequences", generation_config.num_return_sequences) or 1
-    return max(num_beams, num_return_sequences)
+def _generation_config(model: Any, kwargs: dict[str, Any]) -> Any:
+    """
+    The generation config `generate` will use, resolved and validated by transformers' own code (e.g. it refuses
+    `max_new_tokens=0`), so that bad arguments fail before the prompt passes run. Refuses `use_cache=False`.
+    """
+    generation_config, _ = model._prepare_generation_config(
+        kwargs.get("generation_config"), **{k: v for k, v in kwargs.items() if k != "generation_config"}
+    )
+    if generation_config.use_cache is False:
+        raise ValueError(
+            "`use_cache=False` is not supported by Bitune generation: the prompt is read twice and the two key/value "
+            "caches are mixed, and every answer token must attend to that mixed cache. Without a cache, `generate` "
+            "would re-read the whole sequence causally at every step and give other tokens. Remove `use_cache=False` "
+            "(or set `generation_config.use_cache = True`); decoding then costs what it costs for the base model."
+        )
+    return generation_config
+
+
+def _inferred_attention_mask(model: Any, input_ids: torch.Tensor, generation_config: Any) -> torch.Tensor:
+    """
+    The attention mask transformers' `generate` infers when none is given: 0 on `pad_token_id`, unless the pad token
+    is also an end-of-sequence token (then all ones, with transformers' warning for a batch). Uses its own code, so
+    the rules and warnings are the same.
+    """
+    generation_config = copy.deepcopy(generation_config)
+    model._prepare_special_tokens(
+        generation_config, kwargs_has_attention_mask=False, device=input_ids.device, batch_size=input_ids.shape[0]
+    )
+    return model._prepare_attention_mask_for_generation(input_ids, generation_config, {})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -92,3 +94,61 @@ def test_a_cache_that_cannot_continue_the_conversation_is_refused(load_base):
         model.generate(input_ids=conversation[:1], past_key_values=out.past_key_values, **SETTINGS)
     with pytest.raises(NotImplementedError, match="num_beams=1"):
         model.generate(input_ids=conversation, past_key_values=out.past_key_values, **dict(SETTINGS, num_beams=2))
+
+
+def first_turn(model, lengths=(8, 3), seed=1):
+    ids, mask = left_pad(random_rows(list(lengths), seed=seed))
+    return ids, mask, model.generate(input_ids=ids, attention_mask=mask, **SETTINGS)
+
+
+def test_a_padded_chat_continued_without_attention_mask_infers_it_from_the_pad_token(load_base):
+    model = make_bitune(load_base("llama")).eval()
+    no_pad = dict(SETTINGS, suppress_tokens=[0])  # answers without the pad token, so that it marks padding only
+    ids, mask = left_pad(random_rows([8, 3], seed=1))
+    out = model.generate(input_ids=ids, attention_mask=mask, **no_pad)
+    new_ids, new_mask = left_pad(random_rows([2, 6], seed=2))
+    conversation = torch.cat([out.sequences, new_ids], dim=1)
+    full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1] :]), new_mask], dim=1)
+    assert torch.equal(full_mask, (conversation != 0).long())
+    with_mask = model.generate(input_ids=conversation, attention_mask=full_mask,
+                               past_key_values=copy.deepcopy(out.past_key_values), **no_pad)
+    without_mask = model.generate(input_ids=conversation, past_key_values=copy.deepcopy(out.past_key_values),
+                                  **no_pad)
+    assert torch.equal(without_mask.sequences, with_mask.sequences)
+
+
+def test_a_history_that_is_not_the_cached_conversation_is_refused(load_base):
+    model = make_bitune(load_base("llama")).eval()
+    ids, mask, out = first_turn(model)
+    new_ids, new_mask = left_pad(random_rows([2, 6], seed=2))
+    full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1] :]), new_mask], dim=1)
+    edited = out.sequences.clone()
+    edited[0, -2] = (edited[0, -2] + 1) % VOCAB  # same length, one answer token changed
+    with pytest.raises(ValueError, match="does not continue the conversation this cache holds: row 0"):
+        model.generate(input_ids=torch.cat([edited, new_ids], dim=1), attention_mask=full_mask,
+                       past_key_values=out.past_key_values, **SETTINGS)
+    # Padding of an earlier turn cannot become a real token: the cache holds no keys/values for it.
+    unpadded = torch.cat([torch.ones_like(mask), full_mask[:, mask.shape[1] :]], dim=1)
+    with pytest.raises(ValueError, match="was padding in the conversation this cache holds"):
+        model.generate(input_ids=torch.cat([out.sequences, new_ids], dim=1), attention_mask=unpadded,
+                       past_key_values=out.past_key_values, **SETTINGS)
+
+
+def test_a_conversation_is_branched_from_a_copy_of_the_cache(load_base):
+    model = make_bitune(load_base("llama")).eval()
+    ids, mask, out = first_turn(model, lengths=(5,))
+    branch_a, branch_b = random_rows([2], seed=3)[0][None], random_rows([9], seed=4)[0][None]
+
+    def continue_with(cache, instruction):
+        conversation = torch.cat([out.sequences, instruction], dim=1)
+        return model.generate(input_ids=conversation, attention_mask=torch.ones_like(conversation),
+                              past_key_values=cache, **SETTINGS).sequences
+
+    expected_b = continue_with(copy.deepcopy(out.past_key_values), branch_b)
+    answer_a = continue_with(copy.deepcopy(out.past_key_values), branch_a)
+    assert torch.equal(continue_with(copy.deepcopy(out.past_key_values), branch_b), expected_b)
+    # Reusing the turn-1 cache after it was extended by another branch is refused, not answered from the wrong keys.
+    continue_with(out.past_key_values, branch_a)
+    assert out.past_key_values.conversation_length == answer_a.shape[1]
+    with pytest.raises(ValueError, match=r"copy\.deepcopy\(cache\)"):
+        continue_with(out.past_key_values, branch_b)

@@ -202,3 +202,69 @@ def test_generate_works_in_training_mode_with_gradient_checkpointing(load_base):
     model.train()
     assert torch.equal(model.generate(**batch, **GREEDY), expected)
     assert all(layer.gradient_checkpointing for layer in model.base_model.model.model.layers)
+
+
+def test_generate_without_attention_mask_infers_it_from_the_pad_token_like_transformers(load_base):
+    model = make_bitune(load_base("llama")).eval()
+    batch = left_padded(prompts(seed=3, lengths=[8, 3]))  # pad id 0 = config.pad_token_id
+    with_mask = model.generate(**batch, **GREEDY)
+    without_mask = model.generate(input_ids=batch["input_ids"], **GREEDY)
+    assert torch.equal(without_mask, with_mask)
+    # The padding changes the answer when read as prompt tokens, so the test above can tell the two apart.
+    ones = torch.ones_like(batch["input_ids"])
+    assert not torch.equal(model.generate(input_ids=batch["input_ids"], attention_mask=ones, **GREEDY), with_mask)
+    # As in transformers, a pad token that is also an end-of-sequence token says nothing: no padding is inferred.
+    pad_is_eos = dict(GREEDY, eos_token_id=0)
+    assert torch.equal(
+        model.generate(input_ids=batch["input_ids"], **pad_is_eos),
+        model.generate(input_ids=batch["input_ids"], attention_mask=ones, **pad_is_eos),
+    )
+
+
+def count_prompt_passes(model, monkeypatch) -> list[str]:
+    calls = []
+    original = type(model.base_model)._prompt_pass
+
+    def counting(self, weight_set, cache, **inputs):
+        calls.append(weight_set)
+        return original(self, weight_set, cache, **inputs)
+
+    monkeypatch.setattr(type(model.base_model), "_prompt_pass", counting)
+    return calls
+
+
+def test_use_cache_false_is_refused_before_any_compute(load_base, monkeypatch):
+    from transformers import GenerationConfig
+
+    model = make_bitune(load_base("llama")).eval()
+    batch = left_padded(prompts(seed=3, lengths=[8, 3]))
+    calls = count_prompt_passes(model, monkeypatch)
+    with pytest.raises(ValueError, match="`use_cache=False` is not supported by Bitune"):
+        model.generate(**batch, **GREEDY, use_cache=False)
+    with pytest.raises(ValueError, match="`use_cache=False` is not supported by Bitune"):
+        model.generate(**batch, generation_config=GenerationConfig(use_cache=False, **GREEDY))
+    model.generation_config.use_cache = False
+    with pytest.raises(ValueError, match="`use_cache=False` is not supported by Bitune"):
+        model.generate(**batch, **GREEDY)
+    assert calls == []
+    model.generation_config.use_cache = True
+    model.generate(**batch, **GREEDY)
+    assert calls == ["bidirectional", "causal"]
+
+
+def test_generation_arguments_transformers_refuses_are_refused_before_the_prefill(load_base, monkeypatch):
+    model = make_bitune(load_base("llama")).eval()
+    batch = left_padded(prompts(seed=3, lengths=[8, 3]))
+    calls = count_prompt_passes(model, monkeypatch)
+    with pytest.raises(ValueError, match="`max_new_tokens` must be greater than 0"):
+        model.generate(**batch, **dict(GREEDY, max_new_tokens=0))
+    assert calls == []
+
+
+def test_an_empty_batch_is_refused_with_a_clear_error(load_base):
+    model = make_bitune(load_base("llama")).eval()
+    empty = torch.zeros(0, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="non-empty"):
+        model.generate(input_ids=empty, attention_mask=torch.ones_like(empty), **GREEDY)
+    with pytest.raises(ValueError, match="non-empty"):
+        model.base_model.prefill(empty)
