@@ -19,7 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .caches import PromptPassComplete, mix_recorded, pass_cache, recorded_key_values
 from .config import BituneConfig
-from .generation import BituneGenerationMixin, text_config
+from .generation import BituneGenerationMixin, _max_positions, text_config
 from .layout import IGNORE_INDEX, Chunk, ConversationLayout, Turn, compact_left
 from .mixing import BituneKVMixer
 from .persistence import BituneCheckpointMixin
@@ -367,6 +367,10 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                 then run causally with the causal weights, exactly like a decoding step of `generate`.
             num_items_in_batch (`int`, *optional*): the number of supervised tokens the loss is averaged over (passed by
                 `Trainer` under gradient accumulation); defaults to this batch's count.
+            kwargs: other arguments of the model's forward. The three passes cover different parts of each row, so
+                none is handed on: `position_ids` are accepted when they are the ordinary positions every pass uses
+                anyway (0, 1, ... over each row's real tokens), `logits_to_keep` when 0; anything else (e.g. packed
+                `position_ids`, `cache_position`, `token_type_ids`) is refused by name before any compute.
 
         Returns:
             `CausalLMOutputWithPast` whose `logits` (batch_size, seq_len, vocab) are aligned with the input. Positions
@@ -406,6 +410,12 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         sequence = input_ids if input_ids is not None else inputs_embeds
+        if 0 in sequence.shape[:2]:
+            raise ValueError(
+                f"The batch is empty (input of shape {tuple(sequence.shape)}): give at least one row of at least one "
+                "token."
+            )
+        _check_extra_forward_arguments(kwargs, sequence.shape[:2], attention_mask, _max_positions(self.model))
         layout = ConversationLayout.from_inputs(
             sequence.shape, attention_mask, labels, prompt_mask, device=sequence.device,
             mode=self.peft_config[self.active_adapter].multi_turn,
@@ -414,10 +424,10 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         stop_early = self._prompt_passes_may_stop_early()
         with self._checkpointing_keeps_caches():
             if layout.mode == "history":
-                answer_logits = [self._run_turns([turn], sequence[turn.rows], is_embeds, stop_early, **kwargs)[0]
+                answer_logits = [self._run_turns([turn], sequence[turn.rows], is_embeds, stop_early)[0]
                                  for turn in layout.turns]
             else:
-                answer_logits = self._run_turns(layout.turns, sequence, is_embeds, stop_early, **kwargs)
+                answer_logits = self._run_turns(layout.turns, sequence, is_embeds, stop_early)
         loss = None
         if labels is not None:
             loss = _answer_loss(answer_logits, [turn.answer.labels for turn in layout.turns], num_items_in_batch)
@@ -425,7 +435,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def _run_turns(
-        self, turns: list[Turn], sequence: torch.Tensor, is_embeds: bool, stop_early: bool, **kwargs: Any
+        self, turns: list[Turn], sequence: torch.Tensor, is_embeds: bool, stop_early: bool
     ) -> list[torch.Tensor]:
         """
         Run instruction/answer turns in order over one growing cache; returns each turn's answer logits
@@ -442,8 +452,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             if turn.prefill.width > 0:
                 keys, values = self._mixed_prefill(turn.prefill, sequence, cache, is_embeds, stop_early)
                 cache = _TrainingCache.extend(cache, keys, values, turn.prefill.mask)
-            turn_logits, recorded = self._answer_pass(turn.answer, sequence, cache, is_embeds, record=not is_last,
-                                                      **kwargs)
+            turn_logits, recorded = self._answer_pass(turn.answer, sequence, cache, is_embeds, record=not is_last)
             logits.append(turn_logits)
             if not is_last:
                 cache = _TrainingCache.extend(cache, *recorded, turn.answer.mask)
@@ -492,7 +501,6 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         cache: _TrainingCache | None,
         is_embeds: bool,
         record: bool,
-        **kwargs: Any,
     ) -> tuple[torch.Tensor, tuple[list[torch.Tensor], list[torch.Tensor]] | None]:
         """Step 4: x_m and the answer, causal weights, over the cache. Returns logits and, if `record`, the chunk's
         causal keys/values."""
@@ -504,9 +512,70 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                 past_key_values=pass_cache,
                 use_cache=False,
                 **self._sequence_kwargs(chunk.gather(sequence), is_embeds),
-                **kwargs,
             )
         return output.logits, (recorded_key_values(pass_cache) if record else None)
+
+
+# Arguments of a transformers forward that the Bitune training forward cannot hand to its passes, and why.
+_ARGUMENTS_BITUNE_SETS_PER_PASS = {
+    "cache_position": "each of the three passes has its own cache positions, which Bitune computes",
+    "logits_to_keep": "the answer pass already computes logits at the answer positions only (the output is zero "
+    "before them), and the loss needs all of them",
+    "token_type_ids": "it is not split into the instruction and answer passes",
+}
+
+
+def _check_extra_forward_arguments(
+    kwargs: dict[str, Any], shape: tuple[int, int], attention_mask: torch.Tensor | None, max_positions: int | None
+) -> None:
+    """
+    Refuse, before any compute, what the training forward cannot run as asked. Its passes cover different parts of
+    each row, so an argument of the model's forward would reach only one of them: none is passed on. `position_ids`
+    are accepted only when they are the ordinary ones every pass uses anyway, `logits_to_keep` only as 0 (all), and
+    `None` values; everything else is refused by name. Rows longer than the model's positions are refused, as
+    `generate` does.
+    """
+    valid = torch.ones(shape, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if max_positions is not None and shape[1] > max_positions:
+        longest = int(valid.sum(dim=1).max())
+        if longest > max_positions:
+            raise ValueError(
+                f"A row has {longest} tokens, more than the model's {max_positions} positions; shorten it (nothing is "
+                "truncated silently)."
+            )
+    for name, value in kwargs.items():
+        if value is None or (name == "logits_to_keep" and isinstance(value, int) and value == 0):
+            continue
+        if name == "position_ids":
+            _check_ordinary_positions(value, valid)
+            continue
+        reason = _ARGUMENTS_BITUNE_SETS_PER_PASS.get(
+            name, "it runs each row in three passes of different lengths, and the argument would reach only one"
+        )
+        raise ValueError(f"The Bitune training forward does not accept `{name}`: {reason}. Remove it.")
+
+
+def _check_ordinary_positions(position_ids: torch.Tensor, valid: torch.Tensor) -> None:
+    """Accept `position_ids` only where they are the positions every pass gets anyway: 0, 1, ... over each row's real
+    tokens (padding ignored)."""
+    valid = valid.to(position_ids.device)
+    try:
+        position_ids = position_ids.expand(valid.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"`position_ids` has shape {tuple(position_ids.shape)} but the input has shape {tuple(valid.shape)}."
+        ) from None
+    ordinary = valid.long().cumsum(dim=1) - 1
+    differ = valid & (position_ids != ordinary)
+    if bool(differ.any()):
+        row, column = (int(i) for i in differ.nonzero()[0])
+        raise ValueError(
+            f"`position_ids` differ from the ordinary positions (0, 1, ... over each row's real tokens) that every "
+            f"Bitune pass uses: row {row}, column {column} is {int(position_ids[row, column])}, not "
+            f"{int(ordinary[row, column])}. Positions that restart within a row come from packing several sequences "
+            "into one (`packing=True` or `padding_free=True` in TRL), which Bitune does not support: train on padded "
+            "batches. Otherwise remove `position_ids`."
+        )
 
 
 def _answer_loss(

@@ -109,3 +109,53 @@ def test_inputs_embeds_give_the_same_result_as_input_ids(load_base):
     from_embeds = model(inputs_embeds=embeds, labels=labels)
     torch.testing.assert_close(from_embeds.loss, from_ids.loss)
     torch.testing.assert_close(from_embeds.logits, from_ids.logits)
+
+
+def test_ordinary_position_ids_give_the_same_result_as_none(load_base):
+    model = make_bitune(load_base("llama"))
+    ids, labels = _batch()
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1] * 6])
+    labels[0, 0] = -100
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    expected = model(input_ids=ids, attention_mask=mask, labels=labels)
+    given = model(input_ids=ids, attention_mask=mask, labels=labels, position_ids=positions)
+    torch.testing.assert_close(given.loss, expected.loss, rtol=0, atol=0)
+    torch.testing.assert_close(given.logits, expected.logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (dict(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)), r"`position_ids` differ .* row 0, column 3 .*packing"),
+        (dict(position_ids=torch.arange(6)[None] + 5), "`position_ids` differ"),
+        (dict(cache_position=torch.arange(6)), "does not accept `cache_position`"),
+        (dict(token_type_ids=torch.zeros(2, 6, dtype=torch.long)), "does not accept `token_type_ids`"),
+        (dict(logits_to_keep=2), "does not accept `logits_to_keep`"),
+        (dict(cu_seq_lens_q=torch.tensor([0, 3, 6])), "does not accept `cu_seq_lens_q`"),
+    ],
+    ids=["packed-positions", "shifted-positions", "cache-position", "token-type-ids", "logits-to-keep", "flash-kwargs"],
+)
+def test_forward_arguments_the_passes_cannot_share_are_refused_by_name(load_base, monkeypatch, extra, message):
+    model = make_bitune(load_base("llama"))
+    ran = []
+    monkeypatch.setattr(type(model.base_model), "_prompt_pass", lambda *a, **k: ran.append(1))
+    ids, labels = _batch()
+    with pytest.raises(ValueError, match=message):
+        model(input_ids=ids, labels=labels, **extra)
+    assert not ran
+
+
+def test_an_empty_or_too_long_training_batch_is_refused_before_any_compute(load_base, monkeypatch):
+    model = make_bitune(load_base("llama"))
+    ran = []
+    monkeypatch.setattr(type(model.base_model), "_prompt_pass", lambda *a, **k: ran.append(1))
+    empty = torch.zeros(0, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match="The batch is empty"):
+        model(input_ids=empty, labels=empty)
+    # As `generate` refuses such a prompt (see test_generate.py), the training forward refuses such a row.
+    long = torch.randint(3, VOCAB, (1, 300))
+    labels = long.clone()
+    labels[:, :200] = -100
+    with pytest.raises(ValueError, match="300 tokens, more than the model's 256 positions"):
+        model(input_ids=long, labels=labels)
+    assert not ran

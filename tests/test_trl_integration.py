@@ -178,6 +178,20 @@ def never_loaded(tmp_path) -> str:
     return str(tmp_path / "never-loaded")
 
 
+@pytest.mark.parametrize("setting", ["packing", "padding_free"])
+def test_packing_set_after_the_config_was_made_is_refused_by_the_trainer(tmp_path, setting):
+    args = helpers.training_args(tmp_path)
+    setattr(args, setting, True)  # after `__post_init__`, which refuses it in the constructor
+    with pytest.raises(ValueError, match=f"`{setting}=True` is not supported by Bitune"):
+        BituneSFTTrainer(
+            model=never_loaded(tmp_path),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(helpers.prompt_completion_rows(4)),
+            processing_class=helpers.build_tokenizer(),
+            peft_config=helpers.small_bitune_config(),
+        )
+
+
 def test_refuses_a_non_bitune_peft_config(tmp_path):
     with pytest.raises(ValueError, match=r"must be a `BituneConfig`, got LoraConfig.*BituneConfig\(adapter_config="):
         make_trainer(never_loaded(tmp_path), tmp_path, peft_config=LoraConfig(r=4))

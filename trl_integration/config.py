@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from trl import SFTConfig
 
@@ -51,13 +52,7 @@ class BituneSFTConfig(SFTConfig):
             raise ValueError(
                 f"`mixing_logging_steps` must be a positive integer or None, got {self.mixing_logging_steps}."
             )
-        for name in ("packing", "padding_free", "eval_packing"):
-            if getattr(self, name):
-                raise ValueError(
-                    f"`{name}=True` is not supported by Bitune: packing and padding-free training put several "
-                    "instruction/answer pairs in one row, and the Bitune forward reads one instruction per row (it "
-                    f"finds it from the labels). Set `{name}=False`; batches are padded per batch instead."
-                )
+        refuse_packing(self)
         self._default_to_non_reentrant_checkpointing()
 
     def _default_to_non_reentrant_checkpointing(self) -> None:
@@ -75,3 +70,15 @@ class BituneSFTConfig(SFTConfig):
         kwargs["use_reentrant"] = False
         for name in present:  # the deprecated alias mirrors the new name, as transformers does
             setattr(self, name, kwargs)
+
+
+def refuse_packing(args: Any) -> None:
+    """Refuse packing and padding-free batches (checked when the config is made, and again by the trainer, since the
+    flags can be set afterwards)."""
+    for name in ("packing", "padding_free", "eval_packing"):
+        if getattr(args, name, False):
+            raise ValueError(
+                f"`{name}=True` is not supported by Bitune: packing and padding-free training put several "
+                "instruction/answer pairs in one row, and the Bitune forward reads one instruction per row (it "
+                f"finds it from the labels). Set `{name}=False`; batches are padded per batch instead."
+            )

@@ -35,7 +35,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from peft_bitune import BituneConfig, BituneModel
 
-from .config import BituneSFTConfig
+from .config import BituneSFTConfig, refuse_packing
 
 IGNORE_INDEX = -100
 
@@ -305,6 +305,7 @@ def _bitune_peft_config(model: Any, peft_config: PeftConfig | None) -> PeftConfi
 
 
 def _check_training_setup(args: BituneSFTConfig, bitune_config: BituneConfig) -> None:
+    refuse_packing(args)  # again: `args.packing = True` may have been set after the config was made
     if args.ddp_find_unused_parameters is False and not bitune_config.shared_weights:
         raise ValueError(
             "`ddp_find_unused_parameters=False` makes DDP fail at the second step: the bidirectional weights of the "
