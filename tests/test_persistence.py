@@ -3,6 +3,7 @@ an offline Hugging Face cache), several adapters in one model, the model card, a
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -616,7 +617,18 @@ def test_pickled_weights_are_never_written_or_read(load_base, tmp_path):
     model = build(load_base, "lora")
     with pytest.raises(ValueError, match="safetensors only"):
         model.save_pretrained(tmp_path / "bin", safe_serialization=False)
-    assert not (tmp_path / "bin" / "adapter_config.json").exists()
+    assert not (tmp_path / "bin").exists()  # refused before PEFT wrote anything (its README, the pickle)
+    model.save_pretrained(tmp_path / "bin")
+    assert sorted(os.listdir(tmp_path / "bin")) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    with pytest.raises(ValueError, match="safetensors only"):
+        copy.deepcopy(model).save_pretrained(tmp_path / "copy", False)  # positional, and on a copy of the model
+    assert not (tmp_path / "copy").exists()
+    # A folder that already holds a pickle is refused before anything is written into it.
+    (tmp_path / "stale").mkdir()
+    (tmp_path / "stale" / "adapter_model.bin").write_bytes(b"old")
+    with pytest.raises(ValueError, match="holds adapter_model.bin"):
+        model.save_pretrained(tmp_path / "stale")
+    assert os.listdir(tmp_path / "stale") == ["adapter_model.bin"]
 
     model.save_pretrained(tmp_path / "pickle")
     (tmp_path / "pickle" / "adapter_model.safetensors").unlink()
