@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -11,8 +13,8 @@ class BituneKVMixer(nn.Module):
     Two trainable scalars per decoder layer, one for keys and one for values.
 
     The mixing coefficient of a scalar `w` is `alpha = |w| / (|w| + s)`: `alpha` weighs the bidirectional cache and
-    `1 - alpha` the causal one. The scalars are kept in float32 whatever the model's dtype, since bf16 cannot represent
-    the small steps they take.
+    `1 - alpha` the causal one. The scalars are kept in float32 whatever the model's dtype, also through
+    `model.to(torch.bfloat16)`, since bf16 cannot represent the small steps they take (an update of 1e-5 to 0.01).
 
     Args:
         num_layers (`int`): Number of decoder layers of the model.
@@ -25,6 +27,20 @@ class BituneKVMixer(nn.Module):
         self.scale = scale
         self.key_weights = nn.Parameter(torch.full((num_layers,), float(init), dtype=torch.float32))
         self.value_weights = nn.Parameter(torch.full((num_layers,), float(init), dtype=torch.float32))
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> BituneKVMixer:
+        """
+        Keep the scalars float32 through `model.to(dtype)`, `.half()`, `.bfloat16()`: those casts go through here.
+        Device moves still apply; a cast to another float dtype moves the float32 values instead, unrounded.
+        """
+
+        def keep_float32(tensor: torch.Tensor) -> torch.Tensor:
+            applied = fn(tensor)
+            if tensor.is_floating_point() and applied.is_floating_point() and applied.dtype != torch.float32:
+                return tensor.to(device=applied.device, dtype=torch.float32)
+            return applied
+
+        return super()._apply(keep_float32, recurse)
 
     def coefficients(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The alphas for keys and values, each of shape (num_layers,), in float32."""

@@ -288,6 +288,25 @@ def test_bfloat16_loss_is_close_to_float32(load_base):
     assert bf16.base_model.mixer.key_weights.grad is not None
 
 
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.bfloat16)],
+                         ids=["to-bfloat16", "half", "to-device-and-dtype"])
+def test_mixing_scalars_stay_float32_through_model_dtype_casts(load_base, cast):
+    model = make_bitune(load_base("llama"))
+    mixer = model.base_model.mixer
+    before = {name: p.detach().clone() for name, p in mixer.named_parameters()}
+    cast(model)
+    assert next(model.base_model.model.parameters()).dtype != torch.float32
+    for name, parameter in mixer.named_parameters():
+        assert parameter.dtype == torch.float32 and parameter.requires_grad
+        assert torch.equal(parameter.detach(), before[name])  # moved as float32, not rounded through the cast
+    # A small step of a small scalar survives (in bf16, 0.01 + 1e-5 rounds back to 0.01).
+    with torch.no_grad():
+        mixer.key_weights.fill_(0.01).add_(1e-5)
+    assert bool((mixer.key_weights != 0.01).all())
+    model.float()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_gradient_checkpointing_gives_the_same_gradients(load_base, arch):
     plain = make_bitune(load_base(arch))
