@@ -126,7 +126,8 @@ def test_ordinary_position_ids_give_the_same_result_as_none(load_base):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (dict(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)), r"`position_ids` differ .* row 0, column 3 .*packing"),
+        (dict(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)),
+         r"`position_ids` differ .* row 0, column 3 .*packing"),
         (dict(position_ids=torch.arange(6)[None] + 5), "`position_ids` differ"),
         (dict(cache_position=torch.arange(6)), "does not accept `cache_position`"),
         (dict(token_type_ids=torch.zeros(2, 6, dtype=torch.long)), "does not accept `token_type_ids`"),

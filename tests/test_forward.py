@@ -288,8 +288,11 @@ def test_bfloat16_loss_is_close_to_float32(load_base):
     assert bf16.base_model.mixer.key_weights.grad is not None
 
 
-@pytest.mark.parametrize("cast", [lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.bfloat16)],
-                         ids=["to-bfloat16", "half", "to-device-and-dtype"])
+@pytest.mark.parametrize(
+    "cast",
+    [lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.bfloat16)],
+    ids=["to-bfloat16", "half", "to-device-and-dtype"],
+)
 def test_mixing_scalars_stay_float32_through_model_dtype_casts(load_base, cast):
     model = make_bitune(load_base("llama"))
     mixer = model.base_model.mixer
