@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import VOCAB
+from peft_bitune import compat
 from reference import left_padded, make_bitune
 
 SETTINGS = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
@@ -26,7 +27,7 @@ def chat(model, instructions_per_turn: list[list[torch.Tensor]]):
     for instructions in instructions_per_turn[1:]:
         new_ids, new_mask = left_pad(instructions)
         ids, mask = torch.cat([out.sequences, new_ids], dim=1), torch.cat([mask, new_mask], dim=1)
-        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=out.past_key_values, **SETTINGS)
+        out = model.generate(input_ids=ids, attention_mask=mask, cache=compat.output_cache(out), **SETTINGS)
         for i, instruction in enumerate(instructions):
             history[i].append((instruction, out.sequences[i, ids.shape[1] :]))
         mask = torch.cat([mask, torch.ones(len(history), SETTINGS["max_new_tokens"], dtype=torch.long)], dim=1)
@@ -81,14 +82,14 @@ def test_a_cache_that_cannot_continue_the_conversation_is_refused(load_base):
     more = torch.randint(3, VOCAB, (2, 3))
     conversation = torch.cat([out.sequences, more], dim=1)
     with pytest.raises(ValueError, match="BituneCache"):
-        model.generate(input_ids=conversation, past_key_values=DynamicCache(), **SETTINGS)
+        model.generate(input_ids=conversation, cache=DynamicCache(), **SETTINGS)
     other = make_bitune(load_base("gemma")).eval()
     other_out = other.generate(input_ids=ids, attention_mask=mask, **SETTINGS)
     with pytest.raises(ValueError, match="another model"):
-        model.generate(input_ids=conversation, past_key_values=other_out.past_key_values, **SETTINGS)
+        model.generate(input_ids=conversation, cache=compat.output_cache(other_out), **SETTINGS)
     with pytest.raises(ValueError, match="conversation so far"):
-        model.generate(input_ids=out.sequences, past_key_values=out.past_key_values, **SETTINGS)
+        model.generate(input_ids=out.sequences, cache=compat.output_cache(out), **SETTINGS)
     with pytest.raises(ValueError, match="one row"):
-        model.generate(input_ids=conversation[:1], past_key_values=out.past_key_values, **SETTINGS)
+        model.generate(input_ids=conversation[:1], cache=compat.output_cache(out), **SETTINGS)
     with pytest.raises(NotImplementedError, match="num_beams=1"):
-        model.generate(input_ids=conversation, past_key_values=out.past_key_values, **dict(SETTINGS, num_beams=2))
+        model.generate(input_ids=conversation, cache=compat.output_cache(out), **dict(SETTINGS, num_beams=2))
