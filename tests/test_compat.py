@@ -11,19 +11,15 @@ import datasets
 import pytest
 import torch
 from torch import nn
-from transformers import DynamicCache, LlamaModel, TrainingArguments
+from transformers import DynamicCache, TrainingArguments
 
 import trl_helpers as helpers
-from compat_helpers import from_project, only_cache_argument, renamed_name_warnings
+from compat_helpers import from_project, needs_cache_name, only_cache_argument, renamed_name_warnings
 from conftest import VOCAB
 from peft_bitune import compat
 from reference import left_padded, make_bitune
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
 
-needs_cache_name = pytest.mark.skipif(  # decided without `compat`, which these tests check
-    "cache" not in inspect.signature(LlamaModel.forward).parameters,
-    reason="transformers < 5.24 has no `cache` name for `past_key_values` to be removed in favour of",
-)
 GREEDY = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
 
 
