@@ -90,7 +90,7 @@ def test_names_are_those_of_the_installed_release(load_base):
 
 
 def test_a_model_gets_the_cache_name_its_forward_takes():
-    """A model written for another release (remote code) keeps its own name; one taking `**kwargs` gets the release's."""
+    """A model written for another release (remote code) keeps its own name; one taking `**kwargs`, the release's."""
 
     class Old(nn.Module):
         def forward(self, input_ids, past_key_values=None): ...
