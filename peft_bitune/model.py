@@ -191,7 +191,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             if keywords.get("use_reentrant", True) is not False:
                 raise ValueError(
                     "Bitune needs non-reentrant gradient checkpointing (reentrant checkpointing drops the gradients "
-                    f"of the key/value projections that flow through the mixed cache). Enable it with "
+                    "of the key/value projections that flow through the mixed cache). Enable it with "
                     f"{compat.checkpointing_hint()}."
                 )
         saved = [(layer.__dict__.get("_can_checkpoint_with_cache"), layer._gradient_checkpointing_func)
