@@ -94,10 +94,12 @@ def chat(model: Any, tokenizer: Any, instructions: Iterable[str], max_new_tokens
     Answer each instruction in turn, continuing from the cache of the previous turn.
 
     `generate(..., return_dict_in_generate=True)` returns the sequences and the cache; the next call gets the whole
-    conversation as `input_ids` (the previous output sequences, then the new instruction) and that cache as
-    `past_key_values`, and reads only what the cache does not hold yet.
+    conversation as `input_ids` (the previous output sequences, then the new instruction) and that cache as `cache`,
+    and reads only what the cache does not hold yet.
     """
     import torch
+
+    from peft_bitune import compat  # reads `output.cache`, or `output.past_key_values` before transformers 5.24
 
     output, messages = None, []
     for instruction in instructions:
@@ -112,12 +114,12 @@ def chat(model: Any, tokenizer: Any, instructions: Iterable[str], max_new_tokens
         if output is None:
             input_ids, cache, read = new, None, new.shape[1]
         else:
-            input_ids, cache = torch.cat([output.sequences, new], dim=1), output.past_key_values
+            input_ids, cache = torch.cat([output.sequences, new], dim=1), compat.output_cache(output)
             read = input_ids.shape[1] - cache.get_seq_length()
         output = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),  # one conversation: no padding anywhere
-            past_key_values=cache,
+            cache=cache,
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
@@ -126,9 +128,8 @@ def chat(model: Any, tokenizer: Any, instructions: Iterable[str], max_new_tokens
         answer_ids = output.sequences[0, input_ids.shape[1] :]
         answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
         messages += [{"role": "user", "content": instruction}, {"role": "assistant", "content": answer}]
-        yield Turn(
-            instruction, answer, new[0].tolist(), answer_ids.tolist(), read, output.past_key_values.get_seq_length()
-        )
+        held = compat.output_cache(output).get_seq_length()
+        yield Turn(instruction, answer, new[0].tolist(), answer_ids.tolist(), read, held)
 
 
 def _chat_turn_text(tokenizer: Any, messages: list[dict], instruction: str, generated: str | None) -> str:

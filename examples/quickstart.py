@@ -195,7 +195,7 @@ def train_adapter(args: argparse.Namespace, train_dataset: Any) -> None:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from peft_bitune import BituneConfig
+    from peft_bitune import BituneConfig, compat
     from trl_integration import BituneSFTConfig, BituneSFTTrainer
 
     on_gpu = torch.cuda.is_available()
@@ -221,7 +221,7 @@ def train_adapter(args: argparse.Namespace, train_dataset: Any) -> None:
         seed=args.seed,
         # TRL's defaults (bf16 autocast, gradient checkpointing) save GPU memory; on a CPU they only cost time.
         bf16=on_gpu and torch.cuda.is_bf16_supported(),
-        gradient_checkpointing=on_gpu,
+        **{compat.CHECKPOINTING_ARGUMENT: on_gpu},  # `activation_checkpointing` from transformers 5.23
         assistant_only_loss="messages" in train_dataset.column_names,
         logging_steps=10,
         mixing_logging_steps=None,  # the mean alphas are logged every 10 steps; per-layer values are printed below

@@ -231,7 +231,7 @@ def recorded_key_values(cache: Cache) -> tuple[list[torch.Tensor], list[torch.Te
         missing = [i for i, layer in enumerate(layers) if layer.recorded_keys is None]
         raise RuntimeError(
             f"The prompt pass stored no keys/values for layers {missing}: this model does not write its KV cache "
-            "through `past_key_values.update`, which Bitune needs."
+            "through the cache's `update` method, which Bitune needs."
         )
     return [layer.recorded_keys for layer in layers], [layer.recorded_values for layer in layers]
 

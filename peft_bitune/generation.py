@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from . import compat
 from .caches import BituneCache, append_key_values, pass_cache, reading_pass_cache
 
 CAUSAL = "causal"
@@ -57,12 +58,16 @@ class BituneGenerationMixin:
         """
         Bitune generation. Every argument of transformers' `generate` works as there.
 
-        Without `past_key_values`, the whole non-padding input is the instruction: prompts must be left-padded.
-        With `past_key_values` (the cache of an earlier Bitune `generate`, e.g. `output.past_key_values` with
-        `return_dict_in_generate=True`), `input_ids` is the conversation so far (the earlier output sequences)
-        followed by the new instruction, left-padded within the new part; only the new part is read.
+        Without `cache`, the whole non-padding input is the instruction: prompts must be left-padded.
+        With `cache` (the cache of an earlier Bitune `generate`, `output.cache` with `return_dict_in_generate=True`),
+        `input_ids` is the conversation so far (the earlier output sequences) followed by the new instruction,
+        left-padded within the new part; only the new part is read. Before transformers 5.24 both were called
+        `past_key_values`; that name is accepted too.
         """
         if self._adapters_disabled():
+            cache = compat.pop_cache(kwargs)
+            if cache is not None:
+                kwargs[compat.CACHE_NAME] = cache
             return self.model.generate(*args, **kwargs)
         if args:
             if "input_ids" in kwargs or len(args) > 1:
@@ -76,7 +81,7 @@ class BituneGenerationMixin:
             return self._generate(input_ids, kwargs)
 
     def _generate(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> Any:
-        cache = kwargs.pop("past_key_values", None)
+        cache = compat.pop_cache(kwargs)
         # transformers' own resolution and checks of the generation arguments, before the prompt passes run.
         generation_config = _generation_config(self.model, kwargs)
         expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
@@ -94,7 +99,7 @@ class BituneGenerationMixin:
             with torch.no_grad():
                 self._continue_conversation(cache, input_ids, attention_mask)
         kwargs["attention_mask"] = attention_mask
-        output = self.model.generate(past_key_values=cache, **kwargs)
+        output = self.model.generate(**{compat.CACHE_NAME: cache}, **kwargs)
         sequences = output.sequences if hasattr(output, "sequences") else output
         rows_per_prompt = sequences.shape[0] // attention_mask.shape[0]
         generated = sequences.shape[1] - attention_mask.shape[1]
@@ -110,17 +115,17 @@ class BituneGenerationMixin:
         """Refuse, before any compute, a cache or input that cannot continue this conversation."""
         if not isinstance(cache, BituneCache):
             raise ValueError(
-                f"`past_key_values` must be the cache of an earlier Bitune `generate` or `prefill` of this model "
+                f"`cache` must be the cache of an earlier Bitune `generate` or `prefill` of this model "
                 f"(a BituneCache), got {type(cache).__name__}. Bitune needs to know where the previous answer ends."
             )
         config = text_config(self.model)
         if not cache.belongs_to(self.model):
             raise ValueError(
-                "`past_key_values` was made by another model: continue a conversation with the model that started it."
+                "`cache` was made by another model: continue a conversation with the model that started it."
             )
         if len(cache.layers) != config.num_hidden_layers:
             raise ValueError(
-                f"`past_key_values` has {len(cache.layers)} layers but this model has {config.num_hidden_layers}: "
+                f"`cache` has {len(cache.layers)} layers but this model has {config.num_hidden_layers}: "
                 "it belongs to another model."
             )
         layer = cache.layers[0]
@@ -128,12 +133,12 @@ class BituneGenerationMixin:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if layer.keys is not None and tuple(layer.keys.shape[1:2]) + tuple(layer.keys.shape[3:]) != (heads, head_dim):
             raise ValueError(
-                f"`past_key_values` holds keys of shape {tuple(layer.keys.shape)}, which does not fit this model "
+                f"`cache` holds keys of shape {tuple(layer.keys.shape)}, which does not fit this model "
                 f"({heads} key/value heads of size {head_dim}): it belongs to another model."
             )
         if layer.keys is not None and layer.keys.shape[0] != input_ids.shape[0]:
             raise ValueError(
-                f"`past_key_values` holds {layer.keys.shape[0]} sequences but `input_ids` has {input_ids.shape[0]} "
+                f"`cache` holds {layer.keys.shape[0]} sequences but `input_ids` has {input_ids.shape[0]} "
                 "rows; continue each conversation with exactly one row."
             )
         if expand > 1:
@@ -169,7 +174,7 @@ class BituneGenerationMixin:
                     input_ids=input_ids[:, past:answered],
                     attention_mask=attention_mask[:, :answered],
                     position_ids=positions[:, past:answered],
-                    past_key_values=cache,
+                    **compat.with_cache(self.model, cache),
                     use_cache=True,
                 )
         if width - 1 == answered:

@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import compat
 from .caches import PromptPassComplete, mix_recorded, pass_cache, recorded_key_values
 from .config import BituneConfig
 from .generation import BituneGenerationMixin, _max_positions, text_config
@@ -191,7 +192,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                 raise ValueError(
                     "Bitune needs non-reentrant gradient checkpointing (reentrant checkpointing drops the gradients "
                     "of the key/value projections that flow through the mixed cache). Enable it with "
-                    "`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})`."
+                    f"{compat.checkpointing_hint()}."
                 )
         saved = [(layer.__dict__.get("_can_checkpoint_with_cache"), layer._gradient_checkpointing_func)
                  for layer in checkpointing]
@@ -347,7 +348,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         prompt_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
@@ -363,8 +364,9 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                 first supervised one.
             prompt_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on instruction tokens. When given,
                 labels on instruction tokens are not used: the loss is on answer tokens only.
-            past_key_values (`Cache`, *optional*): continue decoding from a cache (e.g. from `prefill`); the input is
-                then run causally with the causal weights, exactly like a decoding step of `generate`.
+            cache (`Cache`, *optional*): continue decoding from a cache (e.g. from `prefill`); the input is then run
+                causally with the causal weights, exactly like a decoding step of `generate`. `past_key_values`, its
+                name before transformers 5.24, is accepted too.
             num_items_in_batch (`int`, *optional*): the number of supervised tokens the loss is averaged over (passed by
                 `Trainer` under gradient accumulation); defaults to this batch's count.
             kwargs: other arguments of the model's forward. The three passes cover different parts of each row, so
@@ -377,26 +379,28 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             before the last instruction token hold zeros: their logits are never used, and the LM head over a long
             prompt with a large vocabulary is not free.
         """
+        kwargs[compat.NEW_CACHE_NAME] = cache
+        cache = compat.pop_cache(kwargs)  # `cache`, or its old name `past_key_values`
         if self._adapters_disabled():
             return self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 inputs_embeds=inputs_embeds,
                 labels=labels,
-                past_key_values=past_key_values,
+                **compat.with_cache(self.model, cache),
                 **kwargs,
             )
-        if past_key_values is not None:
+        if cache is not None:
             if prompt_mask is not None or labels is not None:
                 raise ValueError(
-                    "`past_key_values` continues a sequence causally, so it cannot be combined with `labels` or "
-                    "`prompt_mask` (a new instruction on top of a cache is multi-turn data, not supported yet)."
+                    "`cache` continues a sequence causally, so it cannot be combined with `labels` or `prompt_mask` "
+                    "(a new instruction on top of a cache is multi-turn data, not supported yet)."
                 )
             return self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 inputs_embeds=inputs_embeds,
-                past_key_values=past_key_values,
+                **compat.with_cache(self.model, cache),
                 **kwargs,
             )
         for unsupported in ("output_attentions", "output_hidden_states"):
@@ -490,7 +494,8 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         is_causal = weight_set == CAUSAL or self.peft_config[self.active_adapter].second_pass_attention == CAUSAL
         with self.weights(weight_set):
             try:
-                _decoder(self.model)(past_key_values=cache, use_cache=False, is_causal=is_causal, **inputs)
+                decoder = _decoder(self.model)
+                decoder(**compat.with_cache(decoder, cache), use_cache=False, is_causal=is_causal, **inputs)
             except PromptPassComplete:
                 pass
 
@@ -509,7 +514,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             output = self.model(
                 attention_mask=_pass_attention_mask(cache, chunk),
                 position_ids=chunk.positions,
-                past_key_values=pass_cache,
+                **compat.with_cache(self.model, pass_cache),
                 use_cache=False,
                 **self._sequence_kwargs(chunk.gather(sequence), is_embeds),
             )

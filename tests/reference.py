@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 from torch.nn import functional as F
 from transformers import DynamicCache
 
-from peft_bitune import BituneConfig
+from peft_bitune import BituneConfig, compat
 
 
 def make_bitune(base, adapter_config=None, seed: int = 0, **config_kwargs):
@@ -53,9 +53,9 @@ def reference_prefill(model, prompt: torch.Tensor, second_pass_causal: bool = Fa
         return causal
     bidirectional = DynamicCache(config=hf.config)
     with bitune.weights("bidirectional"):
-        hf(input_ids=head, past_key_values=bidirectional, use_cache=True, is_causal=second_pass_causal)
+        hf(input_ids=head, **compat.with_cache(hf, bidirectional), use_cache=True, is_causal=second_pass_causal)
     with bitune.weights("causal"):
-        hf(input_ids=head, past_key_values=causal, use_cache=True, is_causal=True)
+        hf(input_ids=head, **compat.with_cache(hf, causal), use_cache=True, is_causal=True)
     key_alpha, value_alpha = alphas(model)
     for i, (c, b) in enumerate(zip(causal.layers, bidirectional.layers)):
         c.keys = ((1 - key_alpha[i]) * c.keys.float() + key_alpha[i] * b.keys.float()).to(c.keys.dtype)
@@ -69,7 +69,8 @@ def reference_row(model, tokens: torch.Tensor, prompt_length: int, second_pass_c
     row = tokens[None]
     cache = reference_prefill(model, row[:, :prompt_length], second_pass_causal)
     with bitune.weights("causal"):
-        logits = bitune.model(input_ids=row[:, prompt_length - 1 :], past_key_values=cache, use_cache=True).logits[0]
+        logits = bitune.model(input_ids=row[:, prompt_length - 1 :], **compat.with_cache(bitune.model, cache),
+                              use_cache=True).logits[0]
     loss_sum = F.cross_entropy(logits[:-1].float(), tokens[prompt_length:], reduction="sum")
     return logits, loss_sum
 
@@ -82,7 +83,7 @@ def reference_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[i
         cache = reference_prefill(model, row[None][:, : len(prompt)])
         with model.base_model.weights("causal"):
             logits = model.base_model.model(
-                input_ids=row[None, len(prompt) - 1 :], past_key_values=cache, use_cache=True
+                input_ids=row[None, len(prompt) - 1 :], **compat.with_cache(model.base_model.model, cache), use_cache=True
             ).logits
         tokens.append(int(logits[0, -1].argmax()))
     return tokens[len(prompt) :]
@@ -102,7 +103,7 @@ def _run(model, weight_set, tokens, keys, values, start, is_causal=True, with_he
     positions = torch.arange(start, start + tokens.shape[1])[None]
     with bitune.weights(weight_set):
         forward = bitune.model if with_head else bitune.model.get_decoder()
-        out = forward(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True,
+        out = forward(input_ids=tokens, position_ids=positions, **compat.with_cache(forward, cache), use_cache=True,
                       is_causal=is_causal)
     new_keys = [layer.keys[..., start:, :] for layer in cache.layers]
     new_values = [layer.values[..., start:, :] for layer in cache.layers]

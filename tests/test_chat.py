@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import VOCAB
+from peft_bitune import compat
 from reference import left_padded, make_bitune
 
 SETTINGS = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
@@ -28,7 +29,7 @@ def chat(model, instructions_per_turn: list[list[torch.Tensor]]):
     for instructions in instructions_per_turn[1:]:
         new_ids, new_mask = left_pad(instructions)
         ids, mask = torch.cat([out.sequences, new_ids], dim=1), torch.cat([mask, new_mask], dim=1)
-        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=out.past_key_values, **SETTINGS)
+        out = model.generate(input_ids=ids, attention_mask=mask, cache=compat.output_cache(out), **SETTINGS)
         for i, instruction in enumerate(instructions):
             history[i].append((instruction, out.sequences[i, ids.shape[1] :]))
         mask = torch.cat([mask, torch.ones(len(history), SETTINGS["max_new_tokens"], dtype=torch.long)], dim=1)
@@ -83,17 +84,17 @@ def test_a_cache_that_cannot_continue_the_conversation_is_refused(load_base):
     more = torch.randint(3, VOCAB, (2, 3))
     conversation = torch.cat([out.sequences, more], dim=1)
     with pytest.raises(ValueError, match="BituneCache"):
-        model.generate(input_ids=conversation, past_key_values=DynamicCache(), **SETTINGS)
+        model.generate(input_ids=conversation, cache=DynamicCache(), **SETTINGS)
     other = make_bitune(load_base("gemma")).eval()
     other_out = other.generate(input_ids=ids, attention_mask=mask, **SETTINGS)
     with pytest.raises(ValueError, match="another model"):
-        model.generate(input_ids=conversation, past_key_values=other_out.past_key_values, **SETTINGS)
+        model.generate(input_ids=conversation, cache=compat.output_cache(other_out), **SETTINGS)
     with pytest.raises(ValueError, match="conversation so far"):
-        model.generate(input_ids=out.sequences, past_key_values=out.past_key_values, **SETTINGS)
+        model.generate(input_ids=out.sequences, cache=compat.output_cache(out), **SETTINGS)
     with pytest.raises(ValueError, match="one row"):
-        model.generate(input_ids=conversation[:1], past_key_values=out.past_key_values, **SETTINGS)
+        model.generate(input_ids=conversation[:1], cache=compat.output_cache(out), **SETTINGS)
     with pytest.raises(NotImplementedError, match="num_beams=1"):
-        model.generate(input_ids=conversation, past_key_values=out.past_key_values, **dict(SETTINGS, num_beams=2))
+        model.generate(input_ids=conversation, cache=compat.output_cache(out), **dict(SETTINGS, num_beams=2))
 
 
 def first_turn(model, lengths=(8, 3), seed=1):
@@ -111,8 +112,8 @@ def test_a_padded_chat_continued_without_attention_mask_infers_it_from_the_pad_t
     full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1] :]), new_mask], dim=1)
     assert torch.equal(full_mask, (conversation != 0).long())
     with_mask = model.generate(input_ids=conversation, attention_mask=full_mask,
-                               past_key_values=copy.deepcopy(out.past_key_values), **no_pad)
-    without_mask = model.generate(input_ids=conversation, past_key_values=copy.deepcopy(out.past_key_values),
+                               cache=copy.deepcopy(compat.output_cache(out)), **no_pad)
+    without_mask = model.generate(input_ids=conversation, cache=copy.deepcopy(compat.output_cache(out)),
                                   **no_pad)
     assert torch.equal(without_mask.sequences, with_mask.sequences)
 
@@ -126,12 +127,12 @@ def test_a_history_that_is_not_the_cached_conversation_is_refused(load_base):
     edited[0, -2] = (edited[0, -2] + 1) % VOCAB  # same length, one answer token changed
     with pytest.raises(ValueError, match="does not continue the conversation this cache holds: row 0"):
         model.generate(input_ids=torch.cat([edited, new_ids], dim=1), attention_mask=full_mask,
-                       past_key_values=out.past_key_values, **SETTINGS)
+                       cache=compat.output_cache(out), **SETTINGS)
     # Padding of an earlier turn cannot become a real token: the cache holds no keys/values for it.
     unpadded = torch.cat([torch.ones_like(mask), full_mask[:, mask.shape[1] :]], dim=1)
     with pytest.raises(ValueError, match="was padding in the conversation this cache holds"):
         model.generate(input_ids=torch.cat([out.sequences, new_ids], dim=1), attention_mask=unpadded,
-                       past_key_values=out.past_key_values, **SETTINGS)
+                       cache=compat.output_cache(out), **SETTINGS)
 
 
 def test_a_conversation_is_branched_from_a_copy_of_the_cache(load_base):
@@ -142,13 +143,13 @@ def test_a_conversation_is_branched_from_a_copy_of_the_cache(load_base):
     def continue_with(cache, instruction):
         conversation = torch.cat([out.sequences, instruction], dim=1)
         return model.generate(input_ids=conversation, attention_mask=torch.ones_like(conversation),
-                              past_key_values=cache, **SETTINGS).sequences
+                              cache=cache, **SETTINGS).sequences
 
-    expected_b = continue_with(copy.deepcopy(out.past_key_values), branch_b)
-    answer_a = continue_with(copy.deepcopy(out.past_key_values), branch_a)
-    assert torch.equal(continue_with(copy.deepcopy(out.past_key_values), branch_b), expected_b)
+    expected_b = continue_with(copy.deepcopy(compat.output_cache(out)), branch_b)
+    answer_a = continue_with(copy.deepcopy(compat.output_cache(out)), branch_a)
+    assert torch.equal(continue_with(copy.deepcopy(compat.output_cache(out)), branch_b), expected_b)
     # Reusing the turn-1 cache after it was extended by another branch is refused, not answered from the wrong keys.
-    continue_with(out.past_key_values, branch_a)
-    assert out.past_key_values.conversation_length == answer_a.shape[1]
+    continue_with(compat.output_cache(out), branch_a)
+    assert compat.output_cache(out).conversation_length == answer_a.shape[1]
     with pytest.raises(ValueError, match=r"copy\.deepcopy\(cache\)"):
-        continue_with(out.past_key_values, branch_b)
+        continue_with(compat.output_cache(out), branch_b)

@@ -222,7 +222,9 @@ def test_readme_keeps_the_two_setup_commands():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert "pip install torch==2.13.0 && pip install -e" in readme and "python examples/quickstart.py" in readme
     assert "bash .ci/run" in readme
-    assert "python -m pytest -q" in (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    assert '"$python" -m pytest -q\n' in ci  # the whole suite, in the newest job
+    assert "lower_bound" in ci and "OLDEST_SUBSET" in ci  # the oldest declared versions, a subset
 
 
 # ---------------------------------------------------------------------------------------------------- the site

@@ -23,6 +23,7 @@ from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from compat_helpers import from_project, needs_cache_name, only_cache_argument, renamed_name_warnings
 from conftest import VOCAB
 from reference import make_bitune, reference_greedy
 from peft_bitune.evaluation import (
@@ -285,6 +286,34 @@ def test_generate_until_is_bitune_generation_with_stop_sequences(load_base, toke
 
     samples = sorted(results["samples"]["local_generation"], key=lambda sample: sample["doc_id"])
     assert [sample["resps"][0][0] for sample in samples] == expected
+
+
+# ---------------------------------------------------------------------------------------------------- transformers names
+def harness_run(lm) -> tuple[list, list]:
+    """What `bitune-eval` asks of the model: log-likelihoods (prefill + answer pass) and generations."""
+    scores = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(
+        [("Question: Which is a fruit?", " apple"), ("Question: Which is a fruit?", " chair"), ("Q", " a")])])
+    texts = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": ["\n"], "max_gen_toks": 4,
+                                                                      "do_sample": False}), i)
+                               for i, prompt in enumerate(["Question: Name a color.\n\nAnswer:", "Q"])])
+    return scores, texts
+
+
+def test_harness_causes_no_deprecation_warnings(load_base, tokenizer):
+    lm = BituneLM(pretrained=make_bitune(load_base("llama")).eval(), tokenizer=tokenizer, batch_size=2)
+    with renamed_name_warnings() as recorded:
+        harness_run(lm)
+    assert from_project(recorded) == []
+
+
+@needs_cache_name
+def test_harness_works_once_past_key_values_is_removed(load_base, tokenizer):
+    model = make_bitune(load_base("llama")).eval()
+    lm = BituneLM(pretrained=model, tokenizer=tokenizer, batch_size=2)
+    expected = harness_run(lm)
+    with only_cache_argument(model) as replaced:
+        assert replaced >= 3
+        assert harness_run(lm) == expected
 
 
 # ---------------------------------------------------------------------------------------------------- refusals

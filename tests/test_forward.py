@@ -7,6 +7,7 @@ import torch
 from peft import IA3Config, LoraConfig
 
 from conftest import ATTENTION_CASES, VOCAB
+from peft_bitune import compat
 from reference import alphas, make_bitune, reference_row
 
 PROMPT_LENGTHS = [1, 3, 7, 9]
@@ -162,7 +163,7 @@ def test_bidirectional_pass_sees_later_prompt_tokens_and_causal_does_not(load_ba
 
         cache = DynamicCache(config=bitune.model.config)
         with bitune.weights(weight_set):
-            bitune.model(input_ids=ids, past_key_values=cache, use_cache=True, is_causal=is_causal)
+            bitune.model(input_ids=ids, **compat.with_cache(bitune.model, cache), use_cache=True, is_causal=is_causal)
         # Layer 0's keys are projections of the embeddings alone; the last layer's have been through attention.
         return cache.layers[-1].keys[..., 0, :]
 
@@ -320,7 +321,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(load_base, arch):
     expected = trainable_grads(plain)
 
     model = make_bitune(load_base(arch))
-    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
     model.train()
     checkpointed_loss = model(**batch).loss
     checkpointed_loss.backward()
@@ -333,7 +334,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(load_base, arch):
 
 def test_reentrant_gradient_checkpointing_is_refused(load_base):
     model = make_bitune(load_base("llama"))
-    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    compat.enable_checkpointing(model.base_model.model, use_reentrant=True)
     model.train()
     _, batch, _ = make_batch("right")
     with pytest.raises(ValueError, match="non-reentrant"):
@@ -391,7 +392,7 @@ def test_output_capturing_hooks_do_not_keep_prompt_passes_running(load_base):
 def test_prompt_passes_run_to_the_end_under_gradient_checkpointing(load_base):
     # Leaving a checkpointed layer by an exception would leave its recomputation state to the garbage collector.
     model = make_bitune(load_base("llama"))
-    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
     last_mlp_calls = _count_calls(model.base_model.model.model.layers[-1].mlp)
     model.train()
     _, batch, _ = make_batch("right")

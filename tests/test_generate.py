@@ -7,6 +7,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import ATTENTION_CASES, VOCAB
+from peft_bitune import compat
 from reference import left_padded, make_bitune, reference_greedy, reference_prefill
 
 PROMPT_LENGTHS = [9, 1, 4, 12]
@@ -198,7 +199,7 @@ def test_generate_works_in_training_mode_with_gradient_checkpointing(load_base):
     model = make_bitune(load_base("llama")).eval()
     batch = left_padded(prompts(seed=6, lengths=[4, 7]))
     expected = model.generate(**batch, **GREEDY)
-    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
     model.train()
     assert torch.equal(model.generate(**batch, **GREEDY), expected)
     assert all(layer.gradient_checkpointing for layer in model.base_model.model.model.layers)

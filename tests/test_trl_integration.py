@@ -25,7 +25,7 @@ from transformers.trainer_pt_utils import LabelSmoother
 from trl import SFTConfig
 
 import trl_helpers as helpers
-from peft_bitune import BituneConfig, BituneModel
+from peft_bitune import BituneConfig, BituneModel, compat
 from reference import reference_alternating, reference_row
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
 from trl_integration.cli import BituneArguments, make_parser
@@ -150,15 +150,25 @@ def reference_statistics(model, batch) -> dict[str, float]:
 
 # ---------------------------------------------------------------------- config
 def test_config_makes_checkpointing_non_reentrant(tmp_path):
+    kwargs_name = compat.CHECKPOINTING_KWARGS_ARGUMENT  # `activation_checkpointing_kwargs` from transformers 5.23
     config = BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True)
-    assert config.gradient_checkpointing is True  # TRL's default, kept
-    assert config.gradient_checkpointing_kwargs == {"use_reentrant": False}
-    config = BituneSFTConfig(
-        output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing_kwargs={"every_n_layers": 1}
-    )
-    assert config.gradient_checkpointing_kwargs == {"every_n_layers": 1, "use_reentrant": False}
-    with pytest.raises(ValueError, match="non-reentrant gradient checkpointing"):
-        BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert getattr(config, compat.CHECKPOINTING_ARGUMENT) is True  # TRL's default, kept
+    for name in compat.CHECKPOINTING_KWARGS_ARGUMENTS:  # the deprecated alias, where there is one, mirrors it
+        assert getattr(config, name) == {"use_reentrant": False}
+    config = BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, **{kwargs_name: {"every_n_layers": 1}})
+    assert getattr(config, kwargs_name) == {"every_n_layers": 1, "use_reentrant": False}
+    with pytest.raises(ValueError, match=f"non-reentrant gradient checkpointing.*`{kwargs_name}`"):
+        BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, **{kwargs_name: {"use_reentrant": True}})
+
+
+def test_config_takes_the_checkpointing_switch_under_either_name(tmp_path):
+    """TRL's default (on) goes to the current name, so that an explicit deprecated `gradient_checkpointing=False`
+    still turns checkpointing off."""
+    for name in ("gradient_checkpointing", compat.CHECKPOINTING_ARGUMENT):
+        config = BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, **{name: False})
+        assert [getattr(config, flag) for flag in compat.CHECKPOINTING_ARGUMENTS] == [False] * len(
+            compat.CHECKPOINTING_ARGUMENTS
+        )
 
 
 @pytest.mark.parametrize("setting", ["packing", "padding_free", "eval_packing"])
@@ -239,7 +249,7 @@ def test_refuses_a_formatting_function(tmp_path):
 
 
 def test_refuses_deepspeed_zero3_with_gradient_checkpointing(tmp_path):
-    args = helpers.training_args(tmp_path, gradient_checkpointing=True)
+    args = helpers.training_args(tmp_path, checkpointing=True)
     args.deepspeed_plugin = types.SimpleNamespace(zero_stage=3)  # what `--deepspeed zero3.json` leaves on the args
     with pytest.raises(ValueError, match="DeepSpeed ZeRO-3 with gradient checkpointing is not supported"):
         BituneSFTTrainer(
@@ -296,7 +306,7 @@ def test_peft_config_defaults_to_bitune_config(tmp_path, model_dir):
     assert weight_set_state(trainer.model, "causal") and weight_set_state(trainer.model, "bidirectional")
     assert any("bitune_mixers" in name for name in trainable)
     assert isinstance(trainer.args, BituneSFTConfig) and trainer.args.learning_rate == 3e-4
-    assert trainer.args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert getattr(trainer.args, compat.CHECKPOINTING_KWARGS_ARGUMENT) == {"use_reentrant": False}
 
 
 def test_mixing_scalars_stay_float32(tmp_path, model_dir):
@@ -502,7 +512,7 @@ def test_resume_from_checkpoint_gives_the_weights_of_an_uninterrupted_run(plain_
 
 
 def test_gradient_checkpointing_trains_like_plain_training(plain_run, tmp_path, model_dir):
-    checkpointed = make_trainer(model_dir, tmp_path, max_steps=2, gradient_checkpointing=True)
+    checkpointed = make_trainer(model_dir, tmp_path, max_steps=2, checkpointing=True)
     checkpointed.train()
     layers = [m for m in checkpointed.model.modules() if hasattr(m, "gradient_checkpointing")]
     assert layers and all(layer.gradient_checkpointing for layer in layers)
@@ -512,7 +522,7 @@ def test_gradient_checkpointing_trains_like_plain_training(plain_run, tmp_path, 
 
 
 def test_bf16_training_with_checkpointing(plain_run, tmp_path, model_dir):
-    trainer = make_trainer(model_dir, tmp_path, max_steps=2, bf16=True, gradient_checkpointing=True)
+    trainer = make_trainer(model_dir, tmp_path, max_steps=2, bf16=True, checkpointing=True)
     before = trainable_state(trainer.model)
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
@@ -537,14 +547,14 @@ def test_ddp_on_two_processes_matches_one_process(tmp_path, model_dir):
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
         str(Path(helpers.__file__)), model_dir, str(tmp_path / "ddp"), "2", str(steps),
-        json.dumps({"gradient_checkpointing": True}),  # TRL's default, with DDP's search for unused parameters
+        json.dumps({"checkpointing": True}),  # TRL's default, with DDP's search for unused parameters
     ]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     distributed = json.loads((tmp_path / "ddp" / "log_history.json").read_text())
     single = helpers.run_training(
-        model_dir, str(tmp_path / "single"), per_device_train_batch_size=4, max_steps=steps, gradient_checkpointing=True
+        model_dir, str(tmp_path / "single"), per_device_train_batch_size=4, max_steps=steps, checkpointing=True
     )
     distributed_logs = [log for log in distributed if "loss" in log]
     single_logs = [log for log in single if "loss" in log]
@@ -611,7 +621,7 @@ def test_cli_trains_and_saves_a_bitune_adapter(tmp_path, model_dir):
     cli_main([
         "--model_name_or_path", model_dir, "--dataset_name", str(data), "--output_dir", str(output),
         "--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2", "--bf16", "false",
-        "--gradient_checkpointing", "false", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
+        f"--{compat.CHECKPOINTING_ARGUMENT}", "false", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
         "--lora_r", "4", "--mix_init", "0.02", "--second_pass_attention", "causal",
     ])
     saved = json.loads((output / "adapter_config.json").read_text())

@@ -11,6 +11,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
+from peft_bitune import compat
+
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|end|>"]
 NUMBERS = [str(n) for n in range(20)]
 WORDS = ["what", "is", "plus", "minus", "?", "answer", ":", "the", "and", "then", "count", "to", "say"]
@@ -107,14 +109,15 @@ def small_bitune_config():
     return BituneConfig(adapter_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
 
 
-def training_args(output_dir: str | Path, **overrides):
-    """Fast, deterministic CPU settings (fp32, no checkpointing, no saving, log every step)."""
+def training_args(output_dir: str | Path, checkpointing: bool = False, **overrides):
+    """Fast, deterministic CPU settings (fp32, no saving, log every step); activation checkpointing only if
+    `checkpointing`, set under the installed transformers' name for it."""
     from trl_integration import BituneSFTConfig
 
     settings = dict(
         output_dir=str(output_dir), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2, bf16=False,
-        gradient_checkpointing=False, report_to=[], logging_steps=1, save_strategy="no", use_cpu=True,
-        disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        report_to=[], logging_steps=1, save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+        dataloader_num_workers=0, **{compat.CHECKPOINTING_ARGUMENT: checkpointing},
     )
     settings.update(overrides)
     return BituneSFTConfig(**settings)

@@ -5,12 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers import TrainingArguments
 from trl import SFTConfig
 
-# The two names transformers has used for the checkpointing switches (`gradient_checkpointing*` is the deprecated alias
-# of `activation_checkpointing*` since 5.x; older releases only know the first).
-_CHECKPOINTING_FLAGS = ("activation_checkpointing", "gradient_checkpointing")
-_CHECKPOINTING_KWARGS = ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+from peft_bitune import compat
 
 
 @dataclass
@@ -29,9 +27,11 @@ class BituneSFTConfig(SFTConfig):
 
     > [!NOTE]
     > Defaults that differ from [`~trl.SFTConfig`]:
-    > - `gradient_checkpointing_kwargs`: `use_reentrant` defaults to `False`. Bitune runs three passes that share the
-    >   key/value projections through the mixed cache, and reentrant checkpointing silently drops their gradients, so
-    >   `use_reentrant=True` is refused.
+    > - `activation_checkpointing_kwargs` (`gradient_checkpointing_kwargs` before transformers 5.23): `use_reentrant`
+    >   defaults to `False`. Bitune runs three passes that share the key/value projections through the mixed cache,
+    >   and reentrant checkpointing silently drops their gradients, so `use_reentrant=True` is refused.
+    > - `activation_checkpointing` defaults to `True` (TRL's default) under that name, where transformers has it, so
+    >   that the default does not go through the deprecated `gradient_checkpointing` (which still works).
 
     Refused settings (each with the reason in the error): `packing`, `padding_free` and `eval_packing` (a packed row
     holds several instruction/answer pairs whose boundaries the Bitune forward cannot see).
@@ -46,7 +46,25 @@ class BituneSFTConfig(SFTConfig):
         },
     )
 
+    if compat.CHECKPOINTING_ARGUMENT == "activation_checkpointing":
+        # TRL sets its default (True) on the deprecated alias, which makes transformers warn about every config; the
+        # default goes to the new name in `__post_init__` instead, so an explicit alias value still takes effect.
+        activation_checkpointing: bool | None = field(
+            default=None,
+            metadata={
+                **TrainingArguments.__dataclass_fields__["activation_checkpointing"].metadata,
+                "help": "Enable activation checkpointing to trade compute for memory. Defaults to True (TRL's "
+                "default).",
+            },
+        )
+        gradient_checkpointing: bool | None = field(
+            default=None, metadata=TrainingArguments.__dataclass_fields__["gradient_checkpointing"].metadata
+        )
+
     def __post_init__(self) -> None:
+        if compat.CHECKPOINTING_ARGUMENT == "activation_checkpointing":
+            if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+                self.activation_checkpointing = True
         super().__post_init__()
         if self.mixing_logging_steps is not None and self.mixing_logging_steps < 0:
             raise ValueError(
@@ -57,18 +75,17 @@ class BituneSFTConfig(SFTConfig):
 
     def _default_to_non_reentrant_checkpointing(self) -> None:
         """Make `use_reentrant=False` explicit (whatever the library default), and refuse `True`."""
-        if not any(getattr(self, flag, False) for flag in _CHECKPOINTING_FLAGS):
+        if not getattr(self, compat.CHECKPOINTING_ARGUMENT):
             return
-        present = [name for name in _CHECKPOINTING_KWARGS if hasattr(self, name)]
-        kwargs = dict(getattr(self, present[0]) or {})
+        kwargs = dict(getattr(self, compat.CHECKPOINTING_KWARGS_ARGUMENT) or {})
         if kwargs.get("use_reentrant", False):
             raise ValueError(
                 "Bitune needs non-reentrant gradient checkpointing: reentrant checkpointing drops the gradients of the "
                 "key/value projections that flow through the mixed prompt cache. Remove `use_reentrant` from "
-                "`gradient_checkpointing_kwargs` (it defaults to False here) or set it to False."
+                f"`{compat.CHECKPOINTING_KWARGS_ARGUMENT}` (it defaults to False here) or set it to False."
             )
         kwargs["use_reentrant"] = False
-        for name in present:  # the deprecated alias mirrors the new name, as transformers does
+        for name in compat.CHECKPOINTING_KWARGS_ARGUMENTS:  # an alias mirrors the new name, as in transformers
             setattr(self, name, kwargs)
 
 

@@ -33,7 +33,7 @@ from trl import SFTTrainer
 from trl.data_utils import is_conversational, is_conversational_from_value
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from peft_bitune import BituneConfig, BituneModel
+from peft_bitune import BituneConfig, BituneModel, compat
 
 from .config import BituneSFTConfig, refuse_packing
 
@@ -314,11 +314,12 @@ def _check_training_setup(args: BituneSFTConfig, bitune_config: BituneConfig) ->
             "True) or set it to True."
         )
     plugin = args.deepspeed_plugin
-    if plugin is not None and getattr(plugin, "zero_stage", None) == 3 and args.gradient_checkpointing:
+    checkpointing = compat.CHECKPOINTING_ARGUMENT
+    if plugin is not None and getattr(plugin, "zero_stage", None) == 3 and getattr(args, checkpointing):
         raise ValueError(
             "DeepSpeed ZeRO-3 with gradient checkpointing is not supported: TRL forces reentrant checkpointing for "
             "PEFT models under ZeRO-3, and reentrant checkpointing drops the gradients that flow through Bitune's mixed "
-            "prompt cache. Set `gradient_checkpointing=False`, or use ZeRO stage 2 or FSDP."
+            f"prompt cache. Set `{checkpointing}=False`, or use ZeRO stage 2 or FSDP."
         )
     fsdp_config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
     fsdp_checkpointing = str(fsdp_config.get("activation_checkpointing", "false")).lower() == "true" or (
@@ -329,7 +330,7 @@ def _check_training_setup(args: BituneSFTConfig, bitune_config: BituneConfig) ->
             "FSDP's own activation checkpointing (`fsdp_config['activation_checkpointing']` or "
             "`--fsdp_activation_checkpointing`) recomputes the decoder layers during backward under whichever weight "
             "set is active then, which is wrong for Bitune's bidirectional pass. Turn it off and keep "
-            "`gradient_checkpointing=True`, which Bitune routes correctly."
+            f"`{checkpointing}=True`, which Bitune routes correctly."
         )
     path = args.chat_template_path
     if path is not None and not (os.path.isfile(path) and path.endswith((".jinja", ".j2"))):

@@ -57,7 +57,7 @@ if str(Path(__file__).parent) not in sys.path:  # the sibling modules, also when
     sys.path.insert(0, str(Path(__file__).parent))
 import tasks  # noqa: E402
 
-from peft_bitune import BituneConfig  # noqa: E402
+from peft_bitune import BituneConfig, compat  # noqa: E402
 from peft_bitune.evaluation.answers import answers_match  # noqa: E402
 from peft_bitune.evaluation.harness import BituneLM  # noqa: E402
 from trl_integration import BituneSFTConfig, BituneSFTTrainer  # noqa: E402
@@ -155,7 +155,7 @@ def train(method: Method, learning_rate: float, seed: int, rows: datasets.Datase
             per_device_train_batch_size=settings.batch_size, lr_scheduler_type="cosine",
             warmup_steps=min(10, settings.steps // 6), weight_decay=0.0, save_strategy="no", logging_strategy="steps",
             logging_steps=settings.logging_steps, report_to="none", disable_tqdm=True, use_cpu=True, bf16=False,
-            activation_checkpointing=False, dataloader_num_workers=0,
+            dataloader_num_workers=0, **{compat.CHECKPOINTING_ARGUMENT: False},
         )
         if method.bitune is None:
             trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=rows, processing_class=tokenizer)

@@ -35,6 +35,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 from transformers.cache_utils import Cache
 
+from .. import compat
 from ..model import CAUSAL, BituneModel
 from ..registration import BITUNE_TYPE_NAME
 
@@ -158,7 +159,7 @@ class BituneLM(HFLM):
                 input_ids=input_ids,
                 attention_mask=torch.cat([row_prefix_mask, answer_mask], dim=1),
                 position_ids=position_ids * answer_mask,  # padding at 0: never past the model's last position
-                past_key_values=_select_rows(cache, rows),
+                **compat.with_cache(self._bitune.model, _select_rows(cache, rows)),
                 use_cache=True,
             ).logits
         return [self._continuation_score(logits[i, : len(continuation)], continuation)
