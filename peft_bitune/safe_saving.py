@@ -32,11 +32,13 @@ def guard_bitune_saving() -> None:
 
 
 def _on_module_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    if name != "base_model":  # runs for every submodule registered anywhere: the cheap test first
+        return
     from peft import PeftModel
 
     from .model import BituneModel
 
-    if name == "base_model" and isinstance(submodule, BituneModel) and isinstance(module, PeftModel):
+    if isinstance(submodule, BituneModel) and isinstance(module, PeftModel):
         # An instance attribute: it shadows PEFT's method for this model only, and survives copy.deepcopy and pickling.
         module.__dict__["save_pretrained"] = functools.partial(save_pretrained_safetensors_only, module)
 
