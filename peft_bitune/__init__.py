@@ -5,6 +5,7 @@ Importing this package registers the "BITUNE" PEFT type, which `PeftModel.from_p
 """
 
 from .caches import BituneCache
+from .callbacks import BituneMixingCallback
 from .config import BituneConfig
 from .hub import push_to_hub
 from .mixing import BituneKVMixer, mix_key_values
@@ -17,6 +18,7 @@ __all__ = [
     "CAUSAL",
     "BituneConfig",
     "BituneKVMixer",
+    "BituneMixingCallback",
     "BituneModel",
     "inner_adapter_name",
     "mix_key_values",

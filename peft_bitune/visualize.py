@@ -1,6 +1,6 @@
 """
-Pictures of what a Bitune adapter learned (paper, appendix A.12): the attention of the two prompt passes, and the
-per-layer mixing coefficients of their caches.
+Pictures of what a Bitune adapter learned (paper, appendix A.12): the attention of the two prompt passes, the
+per-layer mixing coefficients of their caches, and how those coefficients moved during training.
 
 The tensor functions (`attention_maps`, `mixing_coefficients`) need only torch; the drawing functions need matplotlib,
 installed with the `viz` extra (`pip install peft-bitune[viz]`). `import peft_bitune` never imports this module.
@@ -24,6 +24,7 @@ import torch
 from peft import PeftModel
 from torch import nn
 
+from .callbacks import layer_log_key, mean_log_key
 from .config import BituneConfig
 from .generation import attention_mask_for, positions_for
 from .mixing import BituneKVMixer
@@ -306,6 +307,81 @@ def _saved_mixing_coefficients(directory: str | os.PathLike, adapter_name: str |
     return {"keys": key_alpha.detach(), "values": value_alpha.detach()}
 
 
+@dataclass
+class MixingHistory:
+    """
+    The mixing coefficients over training, as `BituneMixingCallback` logged them.
+
+    Attributes:
+        steps (`list[int]`): the optimizer step of each log that holds every layer's alphas.
+        keys (`torch.Tensor` of shape (len(steps), num_layers)): alpha of the keys per layer at those steps.
+        values (`torch.Tensor` of shape (len(steps), num_layers)): alpha of the values per layer at those steps.
+        mean_steps (`list[int]`): the step of each log that holds the means (every training log).
+        mean_keys (`torch.Tensor` of shape (len(mean_steps),)): mean alpha of the keys over layers.
+        mean_values (`torch.Tensor` of shape (len(mean_steps),)): mean alpha of the values over layers.
+    """
+
+    steps: list[int]
+    keys: torch.Tensor
+    values: torch.Tensor
+    mean_steps: list[int]
+    mean_keys: torch.Tensor
+    mean_values: torch.Tensor
+
+
+def mixing_history(log_history: Sequence[dict[str, Any]] | str | os.PathLike) -> MixingHistory:
+    """
+    Read the mixing coefficients a Bitune training run logged (`BituneMixingCallback`, which `BituneSFTTrainer` uses).
+
+    Args:
+        log_history (`list[dict]`, or a path): `trainer.state.log_history`, or a `trainer_state.json` (or the checkpoint
+            folder holding it) that the Trainer saved.
+
+    Returns:
+        A `MixingHistory`.
+    """
+    logs = _log_history(log_history)
+    num_layers = 0
+    while any(layer_log_key("keys", num_layers) in log for log in logs):
+        num_layers += 1
+    per_layer = [log for log in logs if layer_log_key("keys", 0) in log]
+    means = [log for log in logs if mean_log_key("keys") in log]
+    if not means:
+        raise ValueError(
+            "The log history holds no mixing coefficients (`bitune/...` keys): train with `BituneSFTTrainer`, or add "
+            "`peft_bitune.BituneMixingCallback()` to the Trainer's callbacks."
+        )
+
+    def table(kind: str) -> torch.Tensor:
+        rows = [[log[layer_log_key(kind, layer)] for layer in range(num_layers)] for log in per_layer]
+        return torch.tensor(rows, dtype=torch.float32).reshape(len(per_layer), num_layers)
+
+    return MixingHistory(
+        steps=[int(log["step"]) for log in per_layer],
+        keys=table("keys"),
+        values=table("values"),
+        mean_steps=[int(log["step"]) for log in means],
+        mean_keys=torch.tensor([log[mean_log_key("keys")] for log in means], dtype=torch.float32),
+        mean_values=torch.tensor([log[mean_log_key("values")] for log in means], dtype=torch.float32),
+    )
+
+
+def _log_history(source: Sequence[dict[str, Any]] | str | os.PathLike) -> list[dict[str, Any]]:
+    if not isinstance(source, (str, os.PathLike)):
+        return list(source)
+    path = os.path.join(source, "trainer_state.json") if os.path.isdir(source) else os.fspath(source)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} does not exist; pass `trainer.state.log_history`, a `trainer_state.json`, or a checkpoint folder "
+            "that holds one."
+        )
+    with open(path, encoding="utf-8") as file:
+        state = json.load(file)
+    if "log_history" not in state:
+        raise ValueError(f"{path} has no `log_history`: it is not a `trainer_state.json` written by a Trainer.")
+    return state["log_history"]
+
+
 # ---------------------------------------------------------------------------------------------------- drawing
 def plot_attention_maps(
     maps: AttentionMaps,
@@ -404,6 +480,63 @@ def plot_mixing_coefficients(
     ax.set_title(title or "Bitune mixing coefficients")
     _save(figure, path)
     return figure
+
+
+def plot_mixing_history(
+    source: Sequence[dict[str, Any]] | str | os.PathLike | MixingHistory,
+    path: str | os.PathLike | None = None,
+    title: str | None = None,
+) -> Figure:
+    """
+    Plot the mixing coefficients over training: one line per layer for keys and for values (from the per-layer logs),
+    and the mean over layers (from every training log) as a thick dashed line.
+
+    Args:
+        source: `trainer.state.log_history`, a `trainer_state.json` or a checkpoint folder, or a `MixingHistory`.
+        path (`str` or `os.PathLike`, *optional*): also save the figure there (PNG unless the suffix says otherwise).
+        title (`str`, *optional*): the figure's title.
+
+    Returns:
+        The matplotlib `Figure`.
+    """
+    _check_output_path(path)
+    history = source if isinstance(source, MixingHistory) else mixing_history(source)
+    figure_class = _figure_class()
+    figure = figure_class(figsize=(10.0, 3.8), layout="constrained")
+    axes = figure.subplots(1, 2, sharey=True)
+    num_layers = history.keys.shape[1]
+    colours = _layer_colours(num_layers)
+    for ax, kind, per_layer, mean in (
+        (axes[0], "keys", history.keys, history.mean_keys),
+        (axes[1], "values", history.values, history.mean_values),
+    ):
+        for layer in range(num_layers):
+            ax.plot(history.steps, per_layer[:, layer].numpy(), color=colours[layer], linewidth=1.0, marker=".",
+                    label=f"layer {layer}" if num_layers <= 12 else None)
+        ax.plot(history.mean_steps, mean.numpy(), color="black", linewidth=2.0, linestyle="--", label="mean")
+        ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_ylim(0.0, 1.0)
+        ax.set_xlabel("optimizer step")
+        ax.set_title(kind)
+    axes[0].set_ylabel("alpha (weight of the bidirectional cache)")
+    if num_layers > 12:  # one colour bar instead of a long legend
+        import matplotlib as mpl
+
+        mappable = mpl.cm.ScalarMappable(norm=mpl.colors.Normalize(0, num_layers - 1), cmap="viridis")
+        figure.colorbar(mappable, ax=axes, label="layer")
+        axes[1].legend(handles=axes[1].get_lines()[-2:-1], fontsize=8)
+    else:
+        axes[1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    figure.suptitle(title or "Bitune mixing coefficients during training")
+    _save(figure, path)
+    return figure
+
+
+def _layer_colours(num_layers: int) -> list[Any]:
+    import matplotlib as mpl
+
+    cmap = mpl.colormaps["viridis"]
+    return [cmap(layer / max(num_layers - 1, 1)) for layer in range(num_layers)]
 
 
 def plot_prompt_attention(

@@ -20,12 +20,13 @@ import pytest
 import torch
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from torch.nn import functional as F
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LabelSmoother
 from trl import SFTConfig
 
 import trl_helpers as helpers
-from peft_bitune import BituneConfig, BituneModel
+from peft_bitune import BituneConfig, BituneMixingCallback, BituneModel
+from peft_bitune.visualize import mixing_history
 from reference import reference_alternating, reference_row
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
 from trl_integration.cli import BituneArguments, make_parser
@@ -446,6 +447,57 @@ def test_mixing_coefficients_are_logged(trained):
         "bitune/alpha_values/layer_0"
     ]
     assert "entropy" in train_logs[-1] and "mean_token_accuracy" in train_logs[-1]
+    history = mixing_history(trainer.state.log_history)  # what `plot_mixing_history` draws
+    assert history.steps == [1, 3, 5] and history.mean_steps == [1, 2, 3, 4, 5, 6]
+    assert history.values[-1, 1].item() == last_per_layer["bitune/alpha_values/layer_1"]
+
+
+def test_the_trainer_adds_one_mixing_callback_first(tmp_path, model_dir):
+    trainer = make_trainer(model_dir, tmp_path)
+    callbacks = trainer.callback_handler.callbacks
+    assert isinstance(callbacks[0], BituneMixingCallback)
+    assert sum(isinstance(callback, BituneMixingCallback) for callback in callbacks) == 1
+    own = BituneMixingCallback(per_layer_steps=None)
+    trainer = BituneSFTTrainer(
+        model=model_dir, args=helpers.training_args(tmp_path), callbacks=[own],
+        train_dataset=datasets.Dataset.from_list(helpers.prompt_completion_rows(4)),
+        processing_class=helpers.build_tokenizer(), peft_config=helpers.small_bitune_config(),
+    )
+    assert [c for c in trainer.callback_handler.callbacks if isinstance(c, BituneMixingCallback)] == [own]
+
+
+def test_a_plain_transformers_trainer_logs_the_mixing_coefficients_with_the_callback(tmp_path, model_dir):
+    tokenizer = helpers.build_tokenizer()
+    rows = []
+    for row in helpers.prompt_completion_rows(8):
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+        rows.append({"input_ids": prompt + completion, "labels": [IGNORE_INDEX] * len(prompt) + completion})
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), helpers.small_bitune_config())
+    args = TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2, logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
+    )
+    collator = DataCollatorForSeq2Seq(tokenizer, padding=True)
+    trainer = Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows), data_collator=collator,
+                      callbacks=[BituneMixingCallback(per_layer_steps=2)])
+    trainer.train()
+    train_logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(train_logs) == 3
+    assert [log["step"] for log in train_logs if "bitune/alpha_values/layer_1" in log] == [1, 3]
+    coefficients = model.base_model.get_mixing_coefficients()
+    assert train_logs[-1]["bitune/alpha_keys_mean"] == pytest.approx(coefficients["keys"].mean().item())
+    assert train_logs[-1]["bitune/alpha_values/layer_1"] == pytest.approx(coefficients["values"][1].item())
+    assert not any(key.startswith("bitune/") for key in trainer.state.log_history[-1])  # the end-of-training summary
+
+
+def test_the_mixing_callback_refuses_a_model_without_a_bitune_adapter(model_dir):
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules="all-linear"))
+    state = types.SimpleNamespace(global_step=1, log_history=[{"loss": 1.0, "step": 1}])
+    with pytest.raises(ValueError, match="holds none"):
+        BituneMixingCallback().on_log(None, state, None, logs={"loss": 1.0}, model=model.train())
+    with pytest.raises(ValueError, match="per_layer_steps"):
+        BituneMixingCallback(per_layer_steps=-1)
 
 
 def test_save_model_writes_an_adapter_peft_loads_back(trained, model_dir, tmp_path):
