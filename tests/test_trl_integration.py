@@ -715,8 +715,20 @@ def test_cli_parser_offers_trl_and_bitune_flags():
     assert " ".join(help_text.split()).count("`trl sft` uses") == 4
 
 
-def test_trl_model_card_keeps_the_bitune_loading_section(trained):
+def test_trl_model_card_names_the_model_and_base_and_its_loading_code_runs(trained, model_dir):
     trainer = trained[0]
+    trainer.save_model()
     trainer.create_model_card()
-    card = (Path(trainer.args.output_dir) / "README.md").read_text()
-    assert "import peft, peft_bitune" in card and "AutoPeftModelForCausalLM.from_pretrained" in card
+    output_dir = Path(trainer.args.output_dir)
+    card = (output_dir / "README.md").read_text()
+    assert f"# Model Card for {output_dir.name}" in card
+    assert f"fine-tuned version of `{model_dir}`" in card and "None" not in card
+    assert "pipeline(" not in card and card.count("<!-- bitune:start -->") == 1
+    assert "huggingface.co/papers/2405.14862" in card  # the method's paper, from `_paper`
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "AutoPeftModelForCausalLM.from_pretrained" in code
+    namespace = {}
+    exec(code, namespace)  # the card's own loading lines, as a reader would run them
+    loaded = namespace["model"]
+    assert isinstance(loaded.base_model, BituneModel)
+    torch.testing.assert_close(mixer_state(loaded), mixer_state(trainer.model))

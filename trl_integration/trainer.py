@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,18 @@ class BituneSFTTrainer(SFTTrainer):
 
     _tag_names = ["trl", "sft", "bitune"]
     _name = "Bitune SFT"
+    # TRL's model card cites the method's paper from this.
+    _paper = {
+        "title": "Bitune: Leveraging Bidirectional Attention to Improve Decoder-Only LLMs",
+        "id": "2405.14862",
+        "citation": textwrap.dedent("""\
+            @misc{kopiczko2024bitune,
+                title        = {{Bitune: Leveraging Bidirectional Attention to Improve Decoder-Only LLMs}},
+                author       = {Dawid J. Kopiczko and Tijmen Blankevoort and Yuki M. Asano},
+                year         = 2024,
+                eprint       = {arXiv:2405.14862},
+            }"""),
+    }
 
     def __init__(
         self,
@@ -220,15 +233,23 @@ class BituneSFTTrainer(SFTTrainer):
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
     # ------------------------------------------------------------------ model card
-    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
-        # TRL's card replaces the one `save_model` wrote; put back the section that says how to load a Bitune adapter.
-        super().create_model_card(*args, **kwargs)
+    def create_model_card(
+        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
+    ) -> None:
+        """
+        TRL's model card, made right for a Bitune adapter: it is named after the output (the Hub repo or the output
+        folder) when `model_name` is not given, names the base model also when that is a local folder, and replaces
+        TRL's `pipeline(...)` quick start (which cannot load a Bitune adapter) with the lines that do.
+        """
+        location = getattr(self, "hub_model_id", None) or self.args.hub_model_id or self.args.output_dir
+        if model_name is None:
+            model_name = os.path.basename(str(location).rstrip("/"))
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         if self.is_world_process_zero():
-            from peft_bitune.model_card import write_model_card
+            from peft_bitune.model_card import write_trl_model_card
 
             bitune = self._bitune_model()
-            repo_id = getattr(self, "hub_model_id", None) or self.args.hub_model_id or self.args.output_dir
-            write_model_card(self.args.output_dir, bitune.peft_config[bitune.active_adapter], repo_id)
+            write_trl_model_card(self.args.output_dir, bitune.peft_config[bitune.active_adapter], location)
 
     def _bitune_model(self) -> BituneModel:
         peft_model = self.accelerator.unwrap_model(self.model)
