@@ -60,6 +60,10 @@ class BituneGenerationMixin:
         With `past_key_values` (the cache of an earlier Bitune `generate`, e.g. `output.past_key_values` with
         `return_dict_in_generate=True`), `input_ids` is the conversation so far (the earlier output sequences)
         followed by the new instruction, left-padded within the new part; only the new part is read.
+
+        With `output_attentions=True`, the attentions of the first step cover only the last prompt token (query length
+        1, over the mixed cache), not the whole prompt as with the base model: the rest of the prompt was read by the two
+        prompt passes. `peft_bitune.visualize.attention_maps` returns the attention of those passes.
         """
         if self._adapters_disabled():
             return self.model.generate(*args, **kwargs)
