@@ -389,13 +389,16 @@ def plot_attention_maps(
     row: int = 0,
     path: str | os.PathLike | None = None,
     title: str | None = None,
+    shared_scale: bool = True,
 ) -> Figure:
     """
     Draw the causal and the bidirectional map of one prompt side by side (paper, appendix A.12).
 
     Source tokens run down the vertical axis, attended tokens along the horizontal one; darker means more attention.
-    Each panel has its own colour scale, from 0 to its largest value (with a shared one, the causal map's first row,
-    which is always 1, would wash out the bidirectional map); read the values off the colour bars. Padding is left out.
+    By default both panels share one colour scale (one colour bar), on a square-root scale from 0 to the largest value
+    of either map: the causal map's first row is always 1, and on a linear scale it would wash out everything else.
+    With `shared_scale=False`, each panel gets its own linear scale from 0 to its own largest value, and its colour
+    bar says so. Padding is left out.
 
     Args:
         maps (`AttentionMaps`): the result of `attention_maps`.
@@ -403,6 +406,8 @@ def plot_attention_maps(
         row (`int`, defaults to 0): which prompt of the batch to draw.
         path (`str` or `os.PathLike`, *optional*): also save the figure there (PNG unless the suffix says otherwise).
         title (`str`, *optional*): a title above both panels.
+        shared_scale (`bool`, defaults to `True`): one square-root colour scale for both panels, or one linear scale
+            per panel.
 
     Returns:
         The matplotlib `Figure`.
@@ -412,24 +417,35 @@ def plot_attention_maps(
         raise ValueError(f"`row` must be in [{-batch_size}, {batch_size - 1}] for these maps, got {row}.")
     _check_output_path(path)
     figure_class = _figure_class()
+    from matplotlib.colors import Normalize, PowerNorm
+
     real = maps.attention_mask[row].bool()
     labels = _token_labels(maps.input_ids[row][real].tolist(), tokenizer)
     panels = {
         "Causal pass (causal weights)": maps.causal[row][real][:, real],
         "Bidirectional pass (bidirectional weights)": maps.bidirectional[row][real][:, real],
     }
-    side = min(max(3.0, 0.32 * len(labels) + 1.5), 14.0)
-    figure = figure_class(figsize=(2 * side + 2.0, side + 0.6), layout="constrained")
+    side = min(max(3.0, 0.2 * len(labels) + 1.5), 12.0)
+    figure = figure_class(figsize=(2 * side + 1.5, side + 1.0), layout="constrained")
     axes = figure.subplots(1, 2)
+    largest = max(float(panel.max()) for panel in panels.values()) or 1.0
+    fontsize = 8 if len(labels) <= 40 else 6
     for ax, (name, panel) in zip(axes, panels.items()):
-        image = ax.imshow(panel.numpy(), cmap="Greys", vmin=0.0, vmax=float(panel.max()) or 1.0, interpolation="nearest")
+        if shared_scale:
+            norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=largest)
+        else:
+            norm = Normalize(vmin=0.0, vmax=float(panel.max()) or 1.0)
+        image = ax.imshow(panel.numpy(), cmap="Greys", norm=norm, interpolation="nearest")
         ax.set_title(name)
         ticks = range(len(labels))
-        ax.set_xticks(ticks, labels, rotation=90, fontsize=8)
-        ax.set_yticks(ticks, labels, fontsize=8)
+        ax.set_xticks(ticks, labels, rotation=90, fontsize=fontsize)
+        ax.set_yticks(ticks, labels, fontsize=fontsize)
         ax.set_xlabel("attended token")
         ax.set_ylabel("source token")
-        figure.colorbar(image, ax=ax, shrink=0.8, label="attention")
+        if not shared_scale:
+            figure.colorbar(image, ax=ax, shrink=0.8, label=f"attention (this panel's own scale, 0 to {norm.vmax:.2f})")
+    if shared_scale:
+        figure.colorbar(image, ax=list(axes), shrink=0.8, label="attention (one scale for both panels, square root)")
     scope = f"layer {maps.layer}" if maps.layer is not None else "average over layers"
     scope += f", head {maps.head}" if maps.head is not None else ", average over heads"
     figure.suptitle(f"{title}\n{scope}" if title else scope)

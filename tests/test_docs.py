@@ -238,7 +238,7 @@ def test_readme_usage_runs_as_is_offline_without_a_token(tmp_path):
     environment.update(HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH=os.pathsep.join([str(REPO), environment.get(
         "PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "usage.py"], cwd=tmp_path, env=environment, capture_output=True,
-                            text=True, timeout=900)
+                            text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "'keys': tensor([" in result.stdout
     assert (tmp_path / "out" / "readme" / "adapter" / "adapter_model.safetensors").is_file()
