@@ -374,3 +374,10 @@ def test_compare_answers_refuses_incomplete_model_arguments(tmp_path, capsys):
         compare.main(["--template", "no placeholder"])
     assert "must contain '{prompt}'" in capsys.readouterr().err
     assert not (tmp_path / "a.md").exists()
+
+
+def test_make_doc_images_refuses_bad_arguments_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        load_example("make_doc_images").main(["--steps", "0", "--output_dir", str(tmp_path / "images")])
+    assert "--steps must be positive" in capsys.readouterr().err
+    assert not (tmp_path / "images").exists()
