@@ -9,7 +9,8 @@ before the Bitune adapter is loaded, so only one copy of the base model is ever 
         --prompts gsm8k_questions.jsonl --template $'Question: {prompt}\nAnswer:' --output answers.md
 
 Without arguments it runs offline: it builds a character-level tokenizer and a tiny random Llama, tunes a LoRA copy
-and a Bitune copy of it for a few seconds on a toy task (sort the digits of a number), and compares their answers.
+and a Bitune copy of it for a few seconds with TRL (`SFTTrainer` and `BituneSFTTrainer`) on a toy task (sort the
+digits of a number), and compares their answers.
 That demo shows the tool working end to end, not the method's quality: the base model knows nothing.
 """
 
@@ -27,13 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from trl import SFTConfig, SFTTrainer
 
 import peft_bitune  # noqa: F401  (registers the BITUNE peft type, needed to load a Bitune adapter)
 from peft_bitune import BituneConfig
-
-IGNORE_INDEX = -100
+from trl_integration import BituneSFTConfig, BituneSFTTrainer
 
 
 # ---------------------------------------------------------------------------------------------------- Markdown
@@ -134,38 +136,34 @@ def toy_example(rng: random.Random) -> tuple[str, str]:
     return f"sort {digits}:", " " + "".join(sorted(digits))
 
 
-def toy_batch(tokenizer: Any, examples: Sequence[tuple[str, str]]) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+answer rows with labels only on the answer (and its end-of-sequence token)."""
-    rows, labels = [], []
-    for prompt, answer in examples:
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        answer_ids = tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append(prompt_ids + answer_ids)
-        labels.append([IGNORE_INDEX] * len(prompt_ids) + answer_ids)
-    width = max(map(len, rows))
-    pad = tokenizer.pad_token_id
-    return {
-        "input_ids": torch.tensor([row + [pad] * (width - len(row)) for row in rows]),
-        "attention_mask": torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows]),
-        "labels": torch.tensor([row + [IGNORE_INDEX] * (width - len(row)) for row in labels]),
-    }
-
-
-def tune(model: torch.nn.Module, tokenizer: Any, steps: int, seed: int, batch_size: int = 16, lr: float = 1e-2) -> float:
-    """A few steps of AdamW on the toy task; both models see the same batches. Returns the last loss."""
+def toy_rows(count: int, seed: int) -> Dataset:
+    """Prompt-completion rows of the toy task, the format TRL's trainers and collator read."""
     rng = random.Random(seed)
-    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
-    model.train()
-    loss = torch.tensor(float("nan"))
-    for _ in range(steps):
-        batch = toy_batch(tokenizer, [toy_example(rng) for _ in range(batch_size)])
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    return Dataset.from_list([dict(zip(("prompt", "completion"), toy_example(rng))) for _ in range(count)])
+
+
+def tune(model: PeftModel, tokenizer: Any, steps: int, seed: int, batch_size: int = 16, lr: float = 1e-2) -> float:
+    """
+    A few optimizer steps on the toy task with TRL's SFT pipeline (tokenization, EOS, its collator, AdamW): the Bitune
+    model with `BituneSFTTrainer`, the LoRA model with TRL's own `SFTTrainer`. Both see the same rows in the same order.
+    Returns the last training loss.
+    """
+    is_bitune = isinstance(model.peft_config[model.active_adapter], BituneConfig)
+    trainer_class, config_class = (BituneSFTTrainer, BituneSFTConfig) if is_bitune else (SFTTrainer, SFTConfig)
+    with tempfile.TemporaryDirectory(prefix="bitune_demo_run_") as output_dir:
+        args = config_class(
+            output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=lr,
+            lr_scheduler_type="constant", weight_decay=0.0, seed=seed, data_seed=seed, logging_steps=1,
+            bf16=False, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+            gradient_checkpointing=False, dataset_num_proc=None,
+        )
+        trainer = trainer_class(
+            model=model, args=args, train_dataset=toy_rows(steps * batch_size, seed), processing_class=tokenizer
+        )
+        trainer.train()
     model.eval()
-    return float(loss.detach())
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    return float(losses[-1]) if losses else float("nan")
 
 
 @dataclass

@@ -6,6 +6,7 @@ the check that refuses pickled saves of a Bitune `PeftModel` before anything is 
 """
 
 from .caches import BituneCache
+from .callbacks import BituneMixingCallback
 from .config import BituneConfig
 from .hub import push_to_hub
 from .mixing import BituneKVMixer, mix_key_values
@@ -19,6 +20,7 @@ __all__ = [
     "CAUSAL",
     "BituneConfig",
     "BituneKVMixer",
+    "BituneMixingCallback",
     "BituneModel",
     "inner_adapter_name",
     "mix_key_values",

@@ -63,6 +63,10 @@ class BituneGenerationMixin:
         `input_ids` is the conversation so far (the earlier output sequences) followed by the new instruction,
         left-padded within the new part; only the new part is read. Before transformers 5.24 both were called
         `past_key_values`; that name is accepted too.
+
+        With `output_attentions=True`, the attentions of the first step cover only the last prompt token (query length
+        1, over the mixed cache), not the whole prompt as with the base model: the rest of the prompt was read by the two
+        prompt passes. `peft_bitune.visualize.attention_maps` returns the attention of those passes.
         """
         if self._adapters_disabled():
             cache = compat.pop_cache(kwargs)

@@ -340,6 +340,15 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
     def merge_adapter(self, *args: Any, **kwargs: Any) -> None:
         self._check_merge_allowed()
 
+    def add_weighted_adapter(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: see the message. (Without this, PEFT's lookup falls through to the base model's AttributeError.)"""
+        raise ValueError(
+            "Bitune adapters cannot be combined with `add_weighted_adapter`: each holds two weight sets used for "
+            "different tokens (the bidirectional set only while reading the prompt) and mixing scalars trained together "
+            "with them, and a weighted sum of two adapters' weight sets and scalars is not an adapter either was "
+            "trained as. Switch between adapters with `set_adapter`, or train one Bitune adapter on the combined data."
+        )
+
     # ------------------------------------------------------------------ forward
     def forward(
         self,

@@ -1,6 +1,6 @@
 """
-Pictures of what a Bitune adapter learned (paper, appendix A.12): the attention of the two prompt passes, and the
-per-layer mixing coefficients of their caches.
+Pictures of what a Bitune adapter learned (paper, appendix A.12): the attention of the two prompt passes, the
+per-layer mixing coefficients of their caches, and how those coefficients moved during training.
 
 The tensor functions (`attention_maps`, `mixing_coefficients`) need only torch; the drawing functions need matplotlib,
 installed with the `viz` extra (`pip install peft-bitune[viz]`). `import peft_bitune` never imports this module.
@@ -24,6 +24,7 @@ import torch
 from peft import PeftModel
 from torch import nn
 
+from .callbacks import layer_log_key, mean_log_key
 from .config import BituneConfig
 from .generation import attention_mask_for, positions_for
 from .mixing import BituneKVMixer
@@ -306,6 +307,81 @@ def _saved_mixing_coefficients(directory: str | os.PathLike, adapter_name: str |
     return {"keys": key_alpha.detach(), "values": value_alpha.detach()}
 
 
+@dataclass
+class MixingHistory:
+    """
+    The mixing coefficients over training, as `BituneMixingCallback` logged them.
+
+    Attributes:
+        steps (`list[int]`): the optimizer step of each log that holds every layer's alphas.
+        keys (`torch.Tensor` of shape (len(steps), num_layers)): alpha of the keys per layer at those steps.
+        values (`torch.Tensor` of shape (len(steps), num_layers)): alpha of the values per layer at those steps.
+        mean_steps (`list[int]`): the step of each log that holds the means (every training log).
+        mean_keys (`torch.Tensor` of shape (len(mean_steps),)): mean alpha of the keys over layers.
+        mean_values (`torch.Tensor` of shape (len(mean_steps),)): mean alpha of the values over layers.
+    """
+
+    steps: list[int]
+    keys: torch.Tensor
+    values: torch.Tensor
+    mean_steps: list[int]
+    mean_keys: torch.Tensor
+    mean_values: torch.Tensor
+
+
+def mixing_history(log_history: Sequence[dict[str, Any]] | str | os.PathLike) -> MixingHistory:
+    """
+    Read the mixing coefficients a Bitune training run logged (`BituneMixingCallback`, which `BituneSFTTrainer` uses).
+
+    Args:
+        log_history (`list[dict]`, or a path): `trainer.state.log_history`, or a `trainer_state.json` (or the checkpoint
+            folder holding it) that the Trainer saved.
+
+    Returns:
+        A `MixingHistory`.
+    """
+    logs = _log_history(log_history)
+    num_layers = 0
+    while any(layer_log_key("keys", num_layers) in log for log in logs):
+        num_layers += 1
+    per_layer = [log for log in logs if layer_log_key("keys", 0) in log]
+    means = [log for log in logs if mean_log_key("keys") in log]
+    if not means:
+        raise ValueError(
+            "The log history holds no mixing coefficients (`bitune/...` keys): train with `BituneSFTTrainer`, or add "
+            "`peft_bitune.BituneMixingCallback()` to the Trainer's callbacks."
+        )
+
+    def table(kind: str) -> torch.Tensor:
+        rows = [[log[layer_log_key(kind, layer)] for layer in range(num_layers)] for log in per_layer]
+        return torch.tensor(rows, dtype=torch.float32).reshape(len(per_layer), num_layers)
+
+    return MixingHistory(
+        steps=[int(log["step"]) for log in per_layer],
+        keys=table("keys"),
+        values=table("values"),
+        mean_steps=[int(log["step"]) for log in means],
+        mean_keys=torch.tensor([log[mean_log_key("keys")] for log in means], dtype=torch.float32),
+        mean_values=torch.tensor([log[mean_log_key("values")] for log in means], dtype=torch.float32),
+    )
+
+
+def _log_history(source: Sequence[dict[str, Any]] | str | os.PathLike) -> list[dict[str, Any]]:
+    if not isinstance(source, (str, os.PathLike)):
+        return list(source)
+    path = os.path.join(source, "trainer_state.json") if os.path.isdir(source) else os.fspath(source)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} does not exist; pass `trainer.state.log_history`, a `trainer_state.json`, or a checkpoint folder "
+            "that holds one."
+        )
+    with open(path, encoding="utf-8") as file:
+        state = json.load(file)
+    if "log_history" not in state:
+        raise ValueError(f"{path} has no `log_history`: it is not a `trainer_state.json` written by a Trainer.")
+    return state["log_history"]
+
+
 # ---------------------------------------------------------------------------------------------------- drawing
 def plot_attention_maps(
     maps: AttentionMaps,
@@ -313,13 +389,16 @@ def plot_attention_maps(
     row: int = 0,
     path: str | os.PathLike | None = None,
     title: str | None = None,
+    shared_scale: bool = True,
 ) -> Figure:
     """
     Draw the causal and the bidirectional map of one prompt side by side (paper, appendix A.12).
 
     Source tokens run down the vertical axis, attended tokens along the horizontal one; darker means more attention.
-    Each panel has its own colour scale, from 0 to its largest value (with a shared one, the causal map's first row,
-    which is always 1, would wash out the bidirectional map); read the values off the colour bars. Padding is left out.
+    By default both panels share one colour scale (one colour bar), on a square-root scale from 0 to the largest value
+    of either map: the causal map's first row is always 1, and on a linear scale it would wash out everything else.
+    With `shared_scale=False`, each panel gets its own linear scale from 0 to its own largest value, and its colour
+    bar says so. Padding is left out.
 
     Args:
         maps (`AttentionMaps`): the result of `attention_maps`.
@@ -327,6 +406,8 @@ def plot_attention_maps(
         row (`int`, defaults to 0): which prompt of the batch to draw.
         path (`str` or `os.PathLike`, *optional*): also save the figure there (PNG unless the suffix says otherwise).
         title (`str`, *optional*): a title above both panels.
+        shared_scale (`bool`, defaults to `True`): one square-root colour scale for both panels, or one linear scale
+            per panel.
 
     Returns:
         The matplotlib `Figure`.
@@ -336,24 +417,35 @@ def plot_attention_maps(
         raise ValueError(f"`row` must be in [{-batch_size}, {batch_size - 1}] for these maps, got {row}.")
     _check_output_path(path)
     figure_class = _figure_class()
+    from matplotlib.colors import Normalize, PowerNorm
+
     real = maps.attention_mask[row].bool()
     labels = _token_labels(maps.input_ids[row][real].tolist(), tokenizer)
     panels = {
         "Causal pass (causal weights)": maps.causal[row][real][:, real],
         "Bidirectional pass (bidirectional weights)": maps.bidirectional[row][real][:, real],
     }
-    side = min(max(3.0, 0.32 * len(labels) + 1.5), 14.0)
-    figure = figure_class(figsize=(2 * side + 2.0, side + 0.6), layout="constrained")
+    side = min(max(3.0, 0.2 * len(labels) + 1.5), 12.0)
+    figure = figure_class(figsize=(2 * side + 1.5, side + 1.0), layout="constrained")
     axes = figure.subplots(1, 2)
+    largest = max(float(panel.max()) for panel in panels.values()) or 1.0
+    fontsize = 8 if len(labels) <= 40 else 6
     for ax, (name, panel) in zip(axes, panels.items()):
-        image = ax.imshow(panel.numpy(), cmap="Greys", vmin=0.0, vmax=float(panel.max()) or 1.0, interpolation="nearest")
+        if shared_scale:
+            norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=largest)
+        else:
+            norm = Normalize(vmin=0.0, vmax=float(panel.max()) or 1.0)
+        image = ax.imshow(panel.numpy(), cmap="Greys", norm=norm, interpolation="nearest")
         ax.set_title(name)
         ticks = range(len(labels))
-        ax.set_xticks(ticks, labels, rotation=90, fontsize=8)
-        ax.set_yticks(ticks, labels, fontsize=8)
+        ax.set_xticks(ticks, labels, rotation=90, fontsize=fontsize)
+        ax.set_yticks(ticks, labels, fontsize=fontsize)
         ax.set_xlabel("attended token")
         ax.set_ylabel("source token")
-        figure.colorbar(image, ax=ax, shrink=0.8, label="attention")
+        if not shared_scale:
+            figure.colorbar(image, ax=ax, shrink=0.8, label=f"attention (this panel's own scale, 0 to {norm.vmax:.2f})")
+    if shared_scale:
+        figure.colorbar(image, ax=list(axes), shrink=0.8, label="attention (one scale for both panels, square root)")
     scope = f"layer {maps.layer}" if maps.layer is not None else "average over layers"
     scope += f", head {maps.head}" if maps.head is not None else ", average over heads"
     figure.suptitle(f"{title}\n{scope}" if title else scope)
@@ -404,6 +496,63 @@ def plot_mixing_coefficients(
     ax.set_title(title or "Bitune mixing coefficients")
     _save(figure, path)
     return figure
+
+
+def plot_mixing_history(
+    source: Sequence[dict[str, Any]] | str | os.PathLike | MixingHistory,
+    path: str | os.PathLike | None = None,
+    title: str | None = None,
+) -> Figure:
+    """
+    Plot the mixing coefficients over training: one line per layer for keys and for values (from the per-layer logs),
+    and the mean over layers (from every training log) as a thick dashed line.
+
+    Args:
+        source: `trainer.state.log_history`, a `trainer_state.json` or a checkpoint folder, or a `MixingHistory`.
+        path (`str` or `os.PathLike`, *optional*): also save the figure there (PNG unless the suffix says otherwise).
+        title (`str`, *optional*): the figure's title.
+
+    Returns:
+        The matplotlib `Figure`.
+    """
+    _check_output_path(path)
+    history = source if isinstance(source, MixingHistory) else mixing_history(source)
+    figure_class = _figure_class()
+    figure = figure_class(figsize=(10.0, 3.8), layout="constrained")
+    axes = figure.subplots(1, 2, sharey=True)
+    num_layers = history.keys.shape[1]
+    colours = _layer_colours(num_layers)
+    for ax, kind, per_layer, mean in (
+        (axes[0], "keys", history.keys, history.mean_keys),
+        (axes[1], "values", history.values, history.mean_values),
+    ):
+        for layer in range(num_layers):
+            ax.plot(history.steps, per_layer[:, layer].numpy(), color=colours[layer], linewidth=1.0, marker=".",
+                    label=f"layer {layer}" if num_layers <= 12 else None)
+        ax.plot(history.mean_steps, mean.numpy(), color="black", linewidth=2.0, linestyle="--", label="mean")
+        ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_ylim(0.0, 1.0)
+        ax.set_xlabel("optimizer step")
+        ax.set_title(kind)
+    axes[0].set_ylabel("alpha (weight of the bidirectional cache)")
+    if num_layers > 12:  # one colour bar instead of a long legend
+        import matplotlib as mpl
+
+        mappable = mpl.cm.ScalarMappable(norm=mpl.colors.Normalize(0, num_layers - 1), cmap="viridis")
+        figure.colorbar(mappable, ax=axes, label="layer")
+        axes[1].legend(handles=axes[1].get_lines()[-2:-1], fontsize=8)
+    else:
+        axes[1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    figure.suptitle(title or "Bitune mixing coefficients during training")
+    _save(figure, path)
+    return figure
+
+
+def _layer_colours(num_layers: int) -> list[Any]:
+    import matplotlib as mpl
+
+    cmap = mpl.colormaps["viridis"]
+    return [cmap(layer / max(num_layers - 1, 1)) for layer in range(num_layers)]
 
 
 def plot_prompt_attention(

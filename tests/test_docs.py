@@ -43,7 +43,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 MINIATURE_BASE = EXAMPLES / "miniature" / "base"
-DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+README = REPO / "README.md"
+DOCUMENTS = [README, *sorted((REPO / "docs").rglob("*.md"))]
 
 PYTHON = {"python", "py"}
 SHELL = {"bash", "sh", "shell"}
@@ -203,7 +204,11 @@ def test_marker_parsing():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [p for p in DOCUMENTS if runnable(p)], ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize(
+    "path",
+    [p for p in DOCUMENTS if runnable(p) and p != README],  # the README's usage block runs as is, below
+    ids=lambda p: str(p.relative_to(REPO)),
+)
 def test_code_blocks_run(path, workspace):
     require_miniature()
     namespace = {"__name__": "__docs__"}
@@ -216,6 +221,54 @@ def test_code_blocks_run(path, workspace):
         else:
             result = run_shell(block.code, workspace)
             assert result.returncode == 0, f"{block.where}: exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
+def readme_usage() -> str:
+    (block,) = [block for block in runnable(README) if block.language in PYTHON]
+    return block.code
+
+
+@pytest.mark.slow
+def test_readme_usage_runs_as_is_offline_without_a_token(tmp_path):
+    """As a reader runs it: a fresh Python, offline, no Hub token configured, nothing faked."""
+    require_miniature()
+    (tmp_path / "examples").symlink_to(EXAMPLES, target_is_directory=True)
+    (tmp_path / "usage.py").write_text(readme_usage(), encoding="utf-8")
+    environment = {key: value for key, value in shell_environment().items() if key != "HF_TOKEN"}
+    environment.update(HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH=os.pathsep.join([str(REPO), environment.get(
+        "PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "usage.py"], cwd=tmp_path, env=environment, capture_output=True,
+                            text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "'keys': tensor([" in result.stdout
+    assert (tmp_path / "out" / "readme" / "adapter" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "your-name").exists()
+
+
+def test_readme_usage_pushes_only_when_a_token_is_configured(workspace, monkeypatch):
+    """The usage block's save/push/load lines, on an untrained adapter: with a token (and the Hub on) they push to
+    the user's repo (the local stand-in) and load from there; without one they load from the saved folder."""
+    import huggingface_hub
+    from peft import PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import peft_bitune
+
+    code = readme_usage()
+    tail = code[code.index('location = "out/readme/adapter"'):]
+    for token, expected in ((None, "out/readme/adapter"), ("hf_test", "your-name/miniature-bitune")):
+        monkeypatch.setattr(huggingface_hub, "get_token", lambda: token)
+        monkeypatch.setattr(huggingface_hub, "whoami", lambda: {"name": "your-name"})
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        base_id = str(MINIATURE_BASE)
+        namespace = {"base_id": base_id, "huggingface_hub": huggingface_hub, "peft_bitune": peft_bitune,
+                     "PeftModel": PeftModel, "AutoModelForCausalLM": AutoModelForCausalLM,
+                     "model": get_peft_model(AutoModelForCausalLM.from_pretrained(base_id), peft_bitune.BituneConfig())}
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(tail, "README.md (usage block)", "exec"), namespace)
+        assert namespace["location"] == expected
+        assert (workspace / expected / "adapter_model.safetensors").is_file()
+        assert (workspace / "your-name").exists() == (token is not None)
 
 
 def test_readme_keeps_the_two_setup_commands():

@@ -67,6 +67,15 @@ def test_merge_is_refused_with_the_reason(load_base):
         model.base_model.merge_adapter()
 
 
+def test_weighted_adapter_combination_is_refused_with_the_reason(load_base):
+    model = make_bitune(load_base("llama"))
+    model.add_adapter("other", BituneConfig())
+    with pytest.raises(ValueError, match="cannot be combined with `add_weighted_adapter`"):
+        model.add_weighted_adapter(["default", "other"], [0.5, 0.5], "combined")  # PeftModel forwards it to the tuner
+    assert "combined" not in model.peft_config
+
+
+
 def _batch():
     ids = torch.randint(3, VOCAB, (2, 6))
     labels = ids.clone()

@@ -269,3 +269,17 @@ def test_an_empty_batch_is_refused_with_a_clear_error(load_base):
         model.generate(input_ids=empty, attention_mask=torch.ones_like(empty), **GREEDY)
     with pytest.raises(ValueError, match="non-empty"):
         model.base_model.prefill(empty)
+
+
+def test_generate_attentions_of_the_first_step_cover_the_last_prompt_token_as_documented(load_base):
+    """docs/generation.md: step 0's attentions are those of the last prompt token over the mixed cache."""
+    model = make_bitune(load_base("llama")).eval()
+    input_ids = torch.randint(3, VOCAB, (2, 7))
+    output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=2,
+                            do_sample=False, output_attentions=True, return_dict_in_generate=True)
+    config = model.base_model.model.config
+    first, second = output.attentions
+    assert len(first) == config.num_hidden_layers
+    assert first[0].shape == (2, config.num_attention_heads, 1, 7)  # the base model gives (2, heads, 7, 7)
+    assert second[0].shape == (2, config.num_attention_heads, 1, 8)
+    torch.testing.assert_close(first[0].sum(-1), torch.ones(2, config.num_attention_heads, 1))

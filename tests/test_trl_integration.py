@@ -20,16 +20,18 @@ import pytest
 import torch
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from torch.nn import functional as F
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LabelSmoother
 from trl import SFTConfig
 
 import trl_helpers as helpers
-from peft_bitune import BituneConfig, BituneModel, compat
+from peft_bitune import BituneConfig, BituneMixingCallback, BituneModel, compat
+from peft_bitune.visualize import mixing_history
 from reference import reference_alternating, reference_row
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
 from trl_integration.cli import BituneArguments, make_parser
 from trl_integration.cli import main as cli_main
+from trl_integration.cli import train as cli_train
 from trl_integration.trainer import keep_mixing_scalars_in_float32
 
 datasets.disable_progress_bars()
@@ -470,6 +472,57 @@ def test_mixing_coefficients_are_logged(trained):
         "bitune/alpha_values/layer_0"
     ]
     assert "entropy" in train_logs[-1] and "mean_token_accuracy" in train_logs[-1]
+    history = mixing_history(trainer.state.log_history)  # what `plot_mixing_history` draws
+    assert history.steps == [1, 3, 5] and history.mean_steps == [1, 2, 3, 4, 5, 6]
+    assert history.values[-1, 1].item() == last_per_layer["bitune/alpha_values/layer_1"]
+
+
+def test_the_trainer_adds_one_mixing_callback_first(tmp_path, model_dir):
+    trainer = make_trainer(model_dir, tmp_path)
+    callbacks = trainer.callback_handler.callbacks
+    assert isinstance(callbacks[0], BituneMixingCallback)
+    assert sum(isinstance(callback, BituneMixingCallback) for callback in callbacks) == 1
+    own = BituneMixingCallback(per_layer_steps=None)
+    trainer = BituneSFTTrainer(
+        model=model_dir, args=helpers.training_args(tmp_path), callbacks=[own],
+        train_dataset=datasets.Dataset.from_list(helpers.prompt_completion_rows(4)),
+        processing_class=helpers.build_tokenizer(), peft_config=helpers.small_bitune_config(),
+    )
+    assert [c for c in trainer.callback_handler.callbacks if isinstance(c, BituneMixingCallback)] == [own]
+
+
+def test_a_plain_transformers_trainer_logs_the_mixing_coefficients_with_the_callback(tmp_path, model_dir):
+    tokenizer = helpers.build_tokenizer()
+    rows = []
+    for row in helpers.prompt_completion_rows(8):
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+        rows.append({"input_ids": prompt + completion, "labels": [IGNORE_INDEX] * len(prompt) + completion})
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), helpers.small_bitune_config())
+    args = TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2, logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
+    )
+    collator = DataCollatorForSeq2Seq(tokenizer, padding=True)
+    trainer = Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows), data_collator=collator,
+                      callbacks=[BituneMixingCallback(per_layer_steps=2)])
+    trainer.train()
+    train_logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(train_logs) == 3
+    assert [log["step"] for log in train_logs if "bitune/alpha_values/layer_1" in log] == [1, 3]
+    coefficients = model.base_model.get_mixing_coefficients()
+    assert train_logs[-1]["bitune/alpha_keys_mean"] == pytest.approx(coefficients["keys"].mean().item())
+    assert train_logs[-1]["bitune/alpha_values/layer_1"] == pytest.approx(coefficients["values"][1].item())
+    assert not any(key.startswith("bitune/") for key in trainer.state.log_history[-1])  # the end-of-training summary
+
+
+def test_the_mixing_callback_refuses_a_model_without_a_bitune_adapter(model_dir):
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules="all-linear"))
+    state = types.SimpleNamespace(global_step=1, log_history=[{"loss": 1.0, "step": 1}])
+    with pytest.raises(ValueError, match="holds none"):
+        BituneMixingCallback().on_log(None, state, None, logs={"loss": 1.0}, model=model.train())
+    with pytest.raises(ValueError, match="per_layer_steps"):
+        BituneMixingCallback(per_layer_steps=-1)
 
 
 def test_save_model_writes_an_adapter_peft_loads_back(trained, model_dir, tmp_path):
@@ -611,18 +664,26 @@ def test_fsdp_on_two_gpus_matches_one_process(tmp_path, model_dir, fsdp_version)
 
 
 # ---------------------------------------------------------------------- command line
-def test_cli_trains_and_saves_a_bitune_adapter(tmp_path, model_dir):
-    data = tmp_path / "data"
-    data.mkdir()
-    with open(data / "train.jsonl", "w") as file:
-        for row in helpers.prompt_completion_rows(8):
+def write_jsonl_dataset(directory: Path, rows: list[dict]) -> Path:
+    directory.mkdir()
+    with open(directory / "train.jsonl", "w") as file:
+        for row in rows:
             file.write(json.dumps(row) + "\n")
+    return directory
+
+
+CLI_TRAINING_FLAGS = [
+    "--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2", "--bf16", "false",
+    f"--{compat.CHECKPOINTING_ARGUMENT}", "false", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
+]
+
+
+def test_cli_trains_and_saves_a_bitune_adapter(tmp_path, model_dir):
+    data = write_jsonl_dataset(tmp_path / "data", helpers.prompt_completion_rows(8))
     output = tmp_path / "out"
-    cli_main([
+    cli_train([
         "--model_name_or_path", model_dir, "--dataset_name", str(data), "--output_dir", str(output),
-        "--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2", "--bf16", "false",
-        f"--{compat.CHECKPOINTING_ARGUMENT}", "false", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
-        "--lora_r", "4", "--mix_init", "0.02", "--second_pass_attention", "causal",
+        *CLI_TRAINING_FLAGS, "--lora_r", "4", "--mix_init", "0.02", "--second_pass_attention", "causal",
     ])
     saved = json.loads((output / "adapter_config.json").read_text())
     assert saved["peft_type"] == "BITUNE"
@@ -630,6 +691,36 @@ def test_cli_trains_and_saves_a_bitune_adapter(tmp_path, model_dir):
     assert saved["adapter_config"]["r"] == 4 and saved["adapter_config"]["lora_alpha"] == 16  # Bitune's default alpha
     assert saved["adapter_config"]["target_modules"] == "all-linear"
     assert (output / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_bitune_sft_launches_through_accelerate_like_trl_sft(tmp_path, model_dir):
+    """`--num_processes 1` (an `accelerate launch` flag, refused before) goes to the launcher, the rest to the
+    training script, which runs in a process of its own; `--use_peft` (as in `trl sft` commands) is accepted."""
+    data = write_jsonl_dataset(tmp_path / "data", helpers.prompt_completion_rows(8))
+    output = tmp_path / "out"
+    command = [
+        sys.executable, "-c", "from trl_integration.cli import main; main()",
+        "--model_name_or_path", model_dir, "--dataset_name", str(data), "--output_dir", str(output),
+        *CLI_TRAINING_FLAGS, "--num_processes", "1", "--use_peft", "--lora_r", "4",
+    ]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"Bitune adapter saved to {output}" in result.stdout
+    saved = json.loads((output / "adapter_config.json").read_text())
+    assert saved["peft_type"] == "BITUNE" and saved["adapter_config"]["r"] == 4
+
+
+def test_bitune_sft_refuses_arguments_neither_training_nor_launcher_knows(tmp_path):
+    with pytest.raises(ValueError, match=r"Unknown arguments \['--learnin_rate'.*accelerate launch"):
+        cli_main(["--output_dir", str(tmp_path), "--use_cpu", "--learnin_rate", "1"])
+
+
+def test_cli_refuses_to_turn_peft_off(tmp_path):
+    for flags in (["--use_peft", "false"], ["--no_use_peft"]):
+        with pytest.raises(ValueError, match="always trains a Bitune adapter"):
+            make_parser().parse_args_and_config(["--output_dir", str(tmp_path), "--use_cpu", *flags])
 
 
 def test_cli_covers_every_bitune_setting():
@@ -643,10 +734,25 @@ def test_cli_parser_offers_trl_and_bitune_flags():
     for flag in ("--model_name_or_path", "--dataset_name", "--lora_r", "--assistant_only_loss", "--mix_init",
                  "--shared_weights", "--mixing_logging_steps"):
         assert flag in help_text
+    assert "use_peft" not in help_text  # always on
+    # The LoRA defaults are Bitune's, and the help says how they differ from `trl sft`'s.
+    assert " ".join(help_text.split()).count("`trl sft` uses") == 4
 
 
-def test_trl_model_card_keeps_the_bitune_loading_section(trained):
+def test_trl_model_card_names_the_model_and_base_and_its_loading_code_runs(trained, model_dir):
     trainer = trained[0]
+    trainer.save_model()
     trainer.create_model_card()
-    card = (Path(trainer.args.output_dir) / "README.md").read_text()
-    assert "import peft, peft_bitune" in card and "AutoPeftModelForCausalLM.from_pretrained" in card
+    output_dir = Path(trainer.args.output_dir)
+    card = (output_dir / "README.md").read_text()
+    assert f"# Model Card for {output_dir.name}" in card
+    assert f"fine-tuned version of `{model_dir}`" in card and "None" not in card
+    assert "pipeline(" not in card and card.count("<!-- bitune:start -->") == 1
+    assert "huggingface.co/papers/2405.14862" in card  # the method's paper, from `_paper`
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "AutoPeftModelForCausalLM.from_pretrained" in code
+    namespace = {}
+    exec(code, namespace)  # the card's own loading lines, as a reader would run them
+    loaded = namespace["model"]
+    assert isinstance(loaded.base_model, BituneModel)
+    torch.testing.assert_close(mixer_state(loaded), mixer_state(trainer.model))

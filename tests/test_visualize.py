@@ -18,8 +18,10 @@ from peft_bitune import BituneConfig
 from peft_bitune.visualize import (
     attention_maps,
     mixing_coefficients,
+    mixing_history,
     plot_attention_maps,
     plot_mixing_coefficients,
+    plot_mixing_history,
     plot_prompt_attention,
 )
 from reference import alphas, make_bitune
@@ -258,6 +260,44 @@ def test_figures_label_axes_with_the_tokens_the_passes_read(load_base, tmp_path)
     assert "Causal" in causal_axes.get_title() and "Bidirectional" in figure.axes[1].get_title()
 
 
+def fake_log_history() -> list[dict]:
+    """What `BituneMixingCallback` writes for 2 layers, per-layer values at steps 1 and 3, around an eval log."""
+    logs = []
+    for step in (1, 2, 3):
+        log = {"loss": 1.0 / step, "step": step, "bitune/alpha_keys_mean": 0.5 - 0.1 * step,
+               "bitune/alpha_values_mean": 0.5 + 0.1 * step}
+        if step != 2:
+            log.update({"bitune/alpha_keys/layer_0": 0.4 / step, "bitune/alpha_keys/layer_1": 0.6 / step,
+                        "bitune/alpha_values/layer_0": 0.5 + step / 10, "bitune/alpha_values/layer_1": 0.55})
+        logs.append(log)
+    logs.insert(2, {"eval_loss": 0.7, "step": 2})
+    return logs + [{"train_loss": 0.6, "step": 3}]
+
+
+def test_mixing_history_reads_the_logged_coefficients_from_a_list_or_a_trainer_state(tmp_path):
+    import json
+
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": fake_log_history(), "global_step": 3}))
+    for source in (fake_log_history(), tmp_path, tmp_path / "trainer_state.json"):
+        history = mixing_history(source)
+        assert history.steps == [1, 3] and history.mean_steps == [1, 2, 3]
+        torch.testing.assert_close(history.keys, torch.tensor([[0.4, 0.6], [0.4 / 3, 0.2]]))
+        torch.testing.assert_close(history.values, torch.tensor([[0.6, 0.55], [0.8, 0.55]]))
+        torch.testing.assert_close(history.mean_keys, torch.tensor([0.4, 0.3, 0.2]))
+    figure = plot_mixing_history(fake_log_history(), path=tmp_path / "history.png", title="toy run")
+    assert_png(tmp_path / "history.png")
+    keys_axes = figure.axes[0]
+    assert keys_axes.get_title() == "keys" and len(keys_axes.get_lines()) == 2 + 1 + 1  # layers, mean, 0.5 line
+    assert list(keys_axes.get_lines()[0].get_xdata()) == [1, 3]
+
+
+def test_mixing_history_refuses_logs_without_coefficients(tmp_path):
+    with pytest.raises(ValueError, match="BituneMixingCallback"):
+        mixing_history([{"loss": 1.0, "step": 1}])
+    with pytest.raises(FileNotFoundError, match="trainer_state.json"):
+        mixing_history(tmp_path)
+
+
 def test_plotting_refuses_a_missing_directory_or_row(load_base, tmp_path):
     model = make_bitune(load_base("llama"))
     maps = attention_maps(model, *prompts())
@@ -334,3 +374,10 @@ def test_compare_answers_refuses_incomplete_model_arguments(tmp_path, capsys):
         compare.main(["--template", "no placeholder"])
     assert "must contain '{prompt}'" in capsys.readouterr().err
     assert not (tmp_path / "a.md").exists()
+
+
+def test_make_doc_images_refuses_bad_arguments_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        load_example("make_doc_images").main(["--steps", "0", "--output_dir", str(tmp_path / "images")])
+    assert "--steps must be positive" in capsys.readouterr().err
+    assert not (tmp_path / "images").exists()

@@ -2,19 +2,23 @@
 
 It parses the same arguments with TRL's own parser and configs (`ScriptArguments`, the SFT training config,
 `ModelConfig`, `DatasetMixtureConfig`, `--config file.yaml`), plus the Bitune settings, and always trains a Bitune
-adapter (`--use_peft` is implied). The `--lora_*` flags configure the method of both weight sets; their defaults are
-Bitune's (LoRA r=8, alpha=16, no dropout, all linear layers) rather than `trl sft`'s.
+adapter (`--use_peft` is implied and hidden). The `--lora_*` flags configure the method of both weight sets; their
+defaults are Bitune's (LoRA r=8, alpha=16, no dropout, all linear layers) rather than `trl sft`'s (16, 32, 0.05,
+PEFT's per-architecture target modules). Like `trl sft`, it launches itself through `accelerate launch`: arguments
+that are not training arguments (`--num_processes`, `--config_file`, `--accelerate_config`) go to the launcher.
 
 ```bash
 bitune-sft --model_name_or_path Qwen/Qwen2-0.5B --dataset_name trl-lib/tldr --output_dir Qwen2-0.5B-Bitune \
-    --learning_rate 3e-4 --per_device_train_batch_size 8 --mix_init 0.01
-accelerate launch --num_processes 8 -m trl_integration.cli --model_name_or_path ... # several GPUs
+    --learning_rate 3e-4 --per_device_train_batch_size 8 --mix_init 0.01 --num_processes 8
+accelerate launch --config_file my_config.yaml -m trl_integration.cli --model_name_or_path ...  # the same, by hand
 ```
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +30,8 @@ from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 from .config import BituneSFTConfig
 
 _BITUNE_DEFAULTS = BituneConfig.__dataclass_fields__
+# What `bitune-sft` hands to `accelerate launch --module`: this module, whose `__main__` block trains.
+TRAINING_MODULE = "trl_integration.cli"
 
 
 @dataclass
@@ -61,14 +67,38 @@ class BituneArguments:
 
 @dataclass
 class BituneModelConfig(ModelConfig):
-    """TRL's `ModelConfig` with Bitune's (the paper's) LoRA defaults for both weight sets."""
+    """
+    TRL's `ModelConfig` with Bitune's (the paper's) LoRA defaults for both weight sets: r=8, alpha=16, no dropout, all
+    linear layers, where `trl sft` uses r=16, alpha=32, dropout 0.05 and PEFT's per-architecture target modules.
+    `--use_peft` is always on (a Bitune adapter is a PEFT adapter), so it is hidden from `--help`; turning it off is
+    refused.
+    """
 
-    lora_r: int = field(default=8, metadata={"help": "LoRA R value of both weight sets."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha of both weight sets."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout of both weight sets."})
-    lora_target_modules: list[str] | None = field(
-        default_factory=lambda: ["all-linear"], metadata={"help": "LoRA target modules of both weight sets."}
+    use_peft: bool = field(default=True, metadata={"help": argparse.SUPPRESS})
+    lora_r: int = field(
+        default=8, metadata={"help": "LoRA R value of both weight sets (Bitune's default; `trl sft` uses 16)."}
     )
+    lora_alpha: int = field(
+        default=16, metadata={"help": "LoRA alpha of both weight sets (Bitune's default; `trl sft` uses 32)."}
+    )
+    lora_dropout: float = field(
+        default=0.0, metadata={"help": "LoRA dropout of both weight sets (Bitune's default; `trl sft` uses 0.05)."}
+    )
+    lora_target_modules: list[str] | None = field(
+        default_factory=lambda: ["all-linear"],
+        metadata={
+            "help": "LoRA target modules of both weight sets (Bitune's default: all-linear, as in the paper; `trl sft` "
+            "uses PEFT's per-architecture default, usually the attention projections only)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.use_peft:
+            raise ValueError(
+                "`bitune-sft` always trains a Bitune adapter, which is a PEFT adapter: `--use_peft` cannot be turned "
+                "off. Remove `--use_peft false` / `--no_use_peft`; to fine-tune without PEFT, use `trl sft`."
+            )
 
 
 def make_parser(prog: str | None = "bitune-sft") -> TrlParser:
@@ -85,12 +115,53 @@ def build_peft_config(model_args: ModelConfig, bitune_args: BituneArguments) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Parse the arguments (`argv`, or the command line) and train, save and optionally push, as `trl sft` does."""
+    """
+    `bitune-sft`: launch a training run through `accelerate launch`, the way `trl sft` does.
+
+    The arguments (`argv`, or the command line) that the training parser knows (and `--config`) go to the training
+    script, `python -m trl_integration.cli`; the others (`--num_processes`, `--config_file`, `--multi_gpu`, ... and
+    TRL's `--accelerate_config zero2|fsdp2|<file>`) go to `accelerate launch`. `--help` lists the training arguments.
+    """
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    *_, config_remaining, cli_remaining = make_parser().parse_args_and_config(
+        argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
+    training_script_args = _without_subsequence(argv, cli_remaining)
+    launch_parser = launch_command_parser()
+    _, unknown = launch_parser.parse_known_args([*launch_args, "--module", TRAINING_MODULE])
+    if unknown:
+        raise ValueError(
+            f"Unknown arguments {unknown}: neither a training argument of `bitune-sft` (see `bitune-sft --help`) nor an "
+            "`accelerate launch` argument (see `accelerate launch --help`)."
+        )
+    launch_command(launch_parser.parse_args([*launch_args, "--module", TRAINING_MODULE, *training_script_args]))
+
+
+def train(argv: Sequence[str] | None = None) -> None:
+    """The training script that `bitune-sft` launches (`python -m trl_integration.cli`, in every process): parse the
+    arguments (`argv`, or the command line) and train, save and optionally push, as `trl sft`'s script does."""
     parser = make_parser()
     script_args, training_args, model_args, dataset_args, bitune_args = parser.parse_args_and_config(
         args=argv, fail_with_unknown_args=True
     )
     run(script_args, training_args, model_args, dataset_args, bitune_args)
+
+
+def _without_subsequence(items: list[str], subsequence: list[str]) -> list[str]:
+    """`items` with the ordered `subsequence` removed (the launcher's arguments out of the command line)."""
+    remaining = iter(subsequence)
+    current = next(remaining, None)
+    result = []
+    for item in items:
+        if current is not None and item == current:
+            current = next(remaining, None)
+        else:
+            result.append(item)
+    return result
 
 
 def run(
@@ -152,4 +223,4 @@ def run(
 
 
 if __name__ == "__main__":
-    main()
+    train()

@@ -9,7 +9,7 @@ supervised ones is an instruction and its answer; several such runs make a multi
 - compute the loss through the Bitune forward. TRL's own `compute_loss` asks the model for a fused LM head over the
   whole input, which would read the instruction causally with one weight set, so it is replaced; TRL's metrics
   (token accuracy, entropy) are computed from the Bitune forward's logits instead;
-- add the mixing coefficients to the training logs.
+- add the mixing coefficients to the training logs (a `BituneMixingCallback`, which a plain `Trainer` can use too).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +33,9 @@ from transformers import TrainingArguments
 from trl import SFTTrainer
 from trl.data_utils import is_conversational, is_conversational_from_value
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+from trl.trainer.utils import entropy_from_logits
 
-from peft_bitune import BituneConfig, BituneModel, compat
+from peft_bitune import BituneConfig, BituneMixingCallback, BituneModel, compat
 
 from .config import BituneSFTConfig, refuse_packing
 
@@ -62,7 +64,8 @@ class BituneSFTTrainer(SFTTrainer):
       modelling data (a `text` column or a `formatting_func`) has no instruction and is refused, as are packing and
       padding-free batches.
     - Training logs gain `bitune/alpha_keys_mean` and `bitune/alpha_values_mean`, and the per-layer alphas every
-      `args.mixing_logging_steps` steps.
+      `args.mixing_logging_steps` steps, from a [`BituneMixingCallback`] added first to the callbacks (unless `callbacks`
+      already holds one).
 
     Example:
 
@@ -81,6 +84,18 @@ class BituneSFTTrainer(SFTTrainer):
 
     _tag_names = ["trl", "sft", "bitune"]
     _name = "Bitune SFT"
+    # TRL's model card cites the method's paper from this.
+    _paper = {
+        "title": "Bitune: Leveraging Bidirectional Attention to Improve Decoder-Only LLMs",
+        "id": "2405.14862",
+        "citation": textwrap.dedent("""\
+            @misc{kopiczko2024bitune,
+                title        = {{Bitune: Leveraging Bidirectional Attention to Improve Decoder-Only LLMs}},
+                author       = {Dawid J. Kopiczko and Tijmen Blankevoort and Yuki M. Asano},
+                year         = 2024,
+                eprint       = {arXiv:2405.14862},
+            }"""),
+    }
 
     def __init__(
         self,
@@ -132,7 +147,10 @@ class BituneSFTTrainer(SFTTrainer):
         )
         self._check_after_setup()
         keep_mixing_scalars_in_float32(self.model)
-        self._last_per_layer_mixing_log_step: int | None = None
+        if not any(isinstance(callback, BituneMixingCallback) for callback in self.callback_handler.callbacks):
+            # First, so that the reporting integrations (`report_to`) see the values it adds to the logs.
+            mixing = BituneMixingCallback(self.args.mixing_logging_steps, gather=self._whole_mixing_scalars)
+            self.callback_handler.callbacks.insert(0, mixing)
 
     # ------------------------------------------------------------------ checks that need the built trainer
     def _check_after_setup(self) -> None:
@@ -194,15 +212,15 @@ class BituneSFTTrainer(SFTTrainer):
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
 
         with torch.no_grad():
-            self._record_token_metrics(mode, outputs.logits[:, :-1][target_mask].float(), targets, inputs)
+            # In the logits' dtype, as TRL's own metrics
+            self._record_token_metrics(mode, outputs.logits[:, :-1][target_mask], targets, inputs)
         return (loss, outputs) if return_outputs else loss
 
     def _record_token_metrics(
         self, mode: str, target_logits: torch.Tensor, targets: torch.Tensor, inputs: dict[str, Any]
     ) -> None:
         """TRL's `entropy`, `mean_token_accuracy` and `num_tokens`, over the supervised next-token predictions."""
-        log_probs = F.log_softmax(target_logits, dim=-1)
-        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+        entropy = entropy_from_logits(target_logits)  # chunked: no (num_targets, vocab) float32 softmax at once
         is_top1 = target_logits.argmax(dim=-1) == targets
         num_valid = self.accelerator.gather_for_metrics(torch.tensor(targets.numel(), device=targets.device)).sum()
         entropy_sum = self.accelerator.gather_for_metrics(entropy.sum()).sum()
@@ -214,37 +232,24 @@ class BituneSFTTrainer(SFTTrainer):
             self._total_train_tokens += num_tokens // self._tp_size
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
-    # ------------------------------------------------------------------ logging
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.model.training and "loss" in logs:  # a training log (not an eval log or the end-of-training summary)
-            logs.update(self._mixing_logs())
-        super().log(logs, start_time)
-
-    def _mixing_logs(self) -> dict[str, float]:
-        """Mean alpha of keys and values; every layer's alphas when `mixing_logging_steps` have passed."""
-        bitune = self._bitune_model()
-        with self._whole_mixing_scalars(bitune):
-            alphas = bitune.get_mixing_coefficients()
-            coefficients = {name: _full_tensor(alpha).float().cpu() for name, alpha in alphas.items()}
-        logs = {f"bitune/alpha_{name}_mean": alpha.mean().item() for name, alpha in coefficients.items()}
-        interval = getattr(self.args, "mixing_logging_steps", None)
-        step = self.state.global_step
-        last = self._last_per_layer_mixing_log_step
-        if interval and (last is None or step - last >= interval):
-            for name, alpha in coefficients.items():
-                logs.update({f"bitune/alpha_{name}/layer_{layer}": value for layer, value in enumerate(alpha.tolist())})
-            self._last_per_layer_mixing_log_step = step
-        return logs
-
-    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
-        # TRL's card replaces the one `save_model` wrote; put back the section that says how to load a Bitune adapter.
-        super().create_model_card(*args, **kwargs)
+    # ------------------------------------------------------------------ model card
+    def create_model_card(
+        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
+    ) -> None:
+        """
+        TRL's model card, made right for a Bitune adapter: it is named after the output (the Hub repo or the output
+        folder) when `model_name` is not given, names the base model also when that is a local folder, and replaces
+        TRL's `pipeline(...)` quick start (which cannot load a Bitune adapter) with the lines that do.
+        """
+        location = getattr(self, "hub_model_id", None) or self.args.hub_model_id or self.args.output_dir
+        if model_name is None:
+            model_name = os.path.basename(str(location).rstrip("/"))
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         if self.is_world_process_zero():
-            from peft_bitune.model_card import write_model_card
+            from peft_bitune.model_card import write_trl_model_card
 
             bitune = self._bitune_model()
-            repo_id = getattr(self, "hub_model_id", None) or self.args.hub_model_id or self.args.output_dir
-            write_model_card(self.args.output_dir, bitune.peft_config[bitune.active_adapter], repo_id)
+            write_trl_model_card(self.args.output_dir, bitune.peft_config[bitune.active_adapter], location)
 
     def _bitune_model(self) -> BituneModel:
         peft_model = self.accelerator.unwrap_model(self.model)
@@ -253,8 +258,8 @@ class BituneSFTTrainer(SFTTrainer):
     def _whole_mixing_scalars(self, bitune: BituneModel) -> contextlib.AbstractContextManager:
         """
         Outside the forward, sharded training keeps only a shard of each parameter on a process. FSDP2 exposes the
-        scalars as DTensors (gathered by `_full_tensor`); FSDP1 and ZeRO-3 must gather them. Every process logs, so
-        every process takes part.
+        scalars as DTensors (gathered when the callback reads them); FSDP1 and ZeRO-3 must gather them. Every process
+        logs, so every process takes part.
         """
         if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 1:
             from torch.distributed.fsdp import FullyShardedDataParallel
@@ -442,8 +447,3 @@ def keep_mixing_scalars_in_float32(model: torch.nn.Module) -> None:
             for parameter in module.bitune_mixers.parameters():
                 if parameter.dtype != torch.float32:
                     parameter.data = parameter.data.float()
-
-
-def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on this process, also when FSDP2 holds it as a sharded DTensor."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

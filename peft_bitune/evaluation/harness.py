@@ -30,6 +30,7 @@ from lm_eval import utils as harness_utils
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import Collator
 from peft import PeftConfig, PeftModel
 from torch.nn import functional as F
 from tqdm import tqdm
@@ -77,21 +78,24 @@ class BituneLM(HFLM):
     ) -> list[tuple[float, bool]]:
         """Score each continuation as the answer to its context: one prefill per distinct context, then batches."""
         pairs = [self._fit_to_max_length(context, continuation) for _, context, continuation in requests]
-        by_context: dict[tuple[int, ...], list[int]] = {}
-        for index, (context, _) in enumerate(pairs):
-            by_context.setdefault(tuple(context), []).append(index)
-        # Longest first: the first batches are the largest, so running out of memory shows at once.
-        longest = {context: len(context) + max(len(pairs[i][1]) for i in rows) for context, rows in by_context.items()}
-        contexts = sorted(by_context, key=lambda context: (-longest[context], context))
+        # Grouped by the whole context: its one prefill serves all its continuations. (HFLM groups by context +
+        # continuation[:-1], which shares a forward only between one-token continuations; the cache does more here.)
+        by_context = Collator.group(enumerate(pairs), fn=lambda item: item[1][0], group_by="contexts")
+
+        def longest_first(group: tuple[tuple[int, ...], list]) -> tuple[int, tuple[int, ...]]:
+            # The first batches are the largest, so running out of memory shows at once.
+            context, members = group
+            return -len(context) - max(len(continuation) for _, (_, continuation) in members), context
+
+        ordered = Collator(list(by_context.items()), sort_fn=longest_first)
         batch_size = override_bs or self.batch_size
 
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         progress = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Bitune loglikelihood")
-        for first in range(0, len(contexts), batch_size):
-            chunk = contexts[first : first + batch_size]
+        for chunk in ordered.get_batched(n=batch_size):
             with self._inference():
-                cache, prefix_mask = self._prefill([list(context) for context in chunk])
-            rows = [(row, index) for row, context in enumerate(chunk) for index in by_context[context]]
+                cache, prefix_mask = self._prefill([list(context) for context, _ in chunk])
+            rows = [(row, index) for row, (_, members) in enumerate(chunk) for index, _ in members]
             for start in range(0, len(rows), batch_size):
                 batch = rows[start : start + batch_size]
                 with self._inference():
@@ -224,16 +228,13 @@ class BituneLM(HFLM):
             yield
 
     def _pad(self, sequences: Sequence[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token lists -> (input_ids, attention_mask), padded on `side`."""
-        width = max(len(sequence) for sequence in sequences)
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for i, sequence in enumerate(sequences):
-            columns = slice(width - len(sequence), width) if side == "left" else slice(0, len(sequence))
-            input_ids[i, columns] = torch.tensor(sequence, dtype=torch.long)
-            attention_mask[i, columns] = 1
-        return input_ids.to(self.device), attention_mask.to(self.device)
+        """Token lists -> (input_ids, attention_mask), padded on `side` by the tokenizer (the harness sets its pad
+        token)."""
+        batch = self.tokenizer.pad(
+            {"input_ids": list(sequences)}, padding=True, padding_side=side, return_tensors="pt",
+            return_attention_mask=True,
+        )
+        return batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
 
 
 def _check_arguments(pretrained: Any, peft: str | None, kwargs: dict[str, Any]) -> None:
