@@ -289,6 +289,17 @@ def test_a_client_that_leaves_a_stream_stops_its_generation(adapter_dir, tokeniz
         assert after.choices[0].finish_reason == "length" and after.usage.completion_tokens == 3
 
 
+def test_seeded_sampling_repeats_and_max_completion_tokens_bounds_the_answer(client):
+    messages = [{"role": "user", "content": STORIES[5]}]
+    settings = dict(model=NAME, messages=messages, max_completion_tokens=5, temperature=1.5, top_p=0.95, seed=11)
+    first, second = (client.chat.completions.create(**settings) for _ in range(2))
+    assert first.choices[0].message.content == second.choices[0].message.content
+    assert first.usage.completion_tokens <= 5
+    others = {client.chat.completions.create(**{**settings, "seed": seed}).choices[0].message.content
+              for seed in range(12, 16)}
+    assert len(others | {first.choices[0].message.content}) > 1  # the seed matters: this really samples
+
+
 def test_the_command_refuses_to_start_without_a_chat_template(adapter_dir):
     from peft_bitune.serving import cli
 

@@ -107,12 +107,15 @@ class BituneChatCompletionHandler(ChatCompletionHandler):
                 404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.", "model",
                 "model_not_found",
             )
-        if body.get("n", 1) != 1:
+        if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
             raise OpenAIError(400, f"`n` must be 1 (one answer per request), got {body['n']!r}.", "n")
-        if not isinstance(body.get("stream", False), bool):
+        if body.get("stream") not in (None, True, False):
             raise OpenAIError(400, f"`stream` must be true or false, got {body['stream']!r}.", "stream")
         messages = _check_messages(body.get("messages"))
-        max_tokens = _optional_number(body, "max_completion_tokens", int, 1) or _optional_number(body, "max_tokens", int, 1)
+        max_completion_tokens = _optional_number(body, "max_completion_tokens", int, 1)
+        max_tokens = _optional_number(body, "max_tokens", int, 1)
+        if max_completion_tokens is not None:
+            max_tokens = max_completion_tokens  # OpenAI's newer name wins, as in transformers serve
         temperature = _optional_number(body, "temperature", float, 0.0, 2.0)
         top_p = _optional_number(body, "top_p", float, 0.0, 1.0)
         if top_p == 0.0:
@@ -132,6 +135,7 @@ class BituneChatCompletionHandler(ChatCompletionHandler):
                 "`max_tokens` (nothing is truncated silently).",
                 "messages", "context_length_exceeded",
             )
+        # Seeded on the worker, right before this request runs: seeding here would reseed whatever runs meanwhile.
         settings = {key: value for key, value in body.items() if key in ("temperature", "top_p", "stop")}
         generation_config = self._build_generation_config(settings, self.engine.model.generation_config)
         if temperature == 0.0:
@@ -158,11 +162,12 @@ class BituneChatCompletionHandler(ChatCompletionHandler):
         job.add_done_callback(lambda future: future.cancelled() or future.exception())  # read even if nobody awaits
 
         async def events():
-            text = StopTextFilter(request.stop)
+            text, sent = StopTextFilter(request.stop), ""
             try:
                 yield self._build_chunk_sse(request_id, role="assistant", model=self.model_name)
                 while (item := await queue.get()) is not _WORK_DONE:
                     if isinstance(item, str) and (piece := text.feed(item)):
+                        sent += piece
                         yield self._build_chunk_sse(request_id, content=piece, model=self.model_name)
                 try:
                     result = await job
@@ -172,7 +177,10 @@ class BituneChatCompletionHandler(ChatCompletionHandler):
                 except Exception as error:  # the stream has started: report it in the stream, keep serving
                     yield self.chunk_to_sse(json.dumps(OpenAIError(500, f"Generation failed: {error}").body()))
                     return
-                if piece := text.flush():
+                # What the stream held back: a possible stop string's start, and bytes the incremental decoder never
+                # completed (e.g. a character cut by max_tokens), which the whole answer's decode writes as U+FFFD.
+                piece = result.content[len(sent) :] if result.content.startswith(sent) else text.flush()
+                if piece:
                     yield self._build_chunk_sse(request_id, content=piece, model=self.model_name)
                 yield self._build_chunk_sse(
                     request_id, finish_reason=result.finish_reason, model=self.model_name, usage=_usage(result)
