@@ -262,31 +262,49 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     assert get_json(url, "/health")["status"] == "ok"
 
 
-def test_a_client_that_leaves_a_stream_stops_its_generation(adapter_dir, tokenizer, template):
+def leave_stream(url, body, wait_for_content: bool) -> None:
+    """Open a streaming request, read its first event (or its first answer text) and disconnect."""
+    address = urlparse(url)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    while (line := response.fp.readline()) and not (line.startswith(b"data:") and (
+            not wait_for_content or b'"content"' in line)):
+        pass
+    assert line, "the stream ended before the client left"
+    connection.sock.shutdown(2)
+    connection.close()
+
+
+def wait_for_cancelled_streams(url, count: int) -> dict:
+    deadline = time.monotonic() + 30
+    while (health := get_json(url, "/health"))["cancelled_streams"] < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return health
+
+
+def test_a_client_that_leaves_a_stream_frees_its_work(adapter_dir, tokenizer, template):
     model = load_model(adapter_dir)
     model.generation_config.eos_token_id = None  # answers always run to max_tokens, unless stopped
     engine = ChatEngine(model, tokenizer, template, cache_budget_bytes=64 * 2**20)
     messages = [{"role": "user", "content": STORIES[4]}]
     body = {"model": NAME, "messages": messages, "max_tokens": 150, "temperature": 0, "stream": True}
     with serving_in_thread(build_app(engine, NAME)) as url:
-        address = urlparse(url)
-        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
-        connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
-                           headers={"Content-Type": "application/json"})
-        response = connection.getresponse()
-        assert response.status == 200
-        response.fp.readline()  # the first event: the request is under way
-        connection.sock.shutdown(2)
-        connection.close()
-        deadline = time.monotonic() + 30
-        while get_json(url, "/health")["cancelled_streams"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        health = get_json(url, "/health")
-        assert health["cancelled_streams"] == 1
-        assert health["kept_conversations"] == 0  # an aborted answer is not kept
+        release = threading.Event()
+        busy = engine.worker.submit(release.wait, 30)  # the worker is busy: the next request waits in the queue
+        leave_stream(url, body, wait_for_content=False)
+        assert wait_for_cancelled_streams(url, 1)["cancelled_streams"] == 1
+        release.set()
+        busy.result(timeout=30)
+        leave_stream(url, body, wait_for_content=True)  # this time the client leaves while the answer is generated
+        assert wait_for_cancelled_streams(url, 2)["cancelled_streams"] == 2
         left = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         after = left.chat.completions.create(model=NAME, messages=messages, max_tokens=3, temperature=0)
         assert after.choices[0].finish_reason == "length" and after.usage.completion_tokens == 3
+        # Only this last conversation is kept: the queued request never ran, and the other one was aborted (a
+        # finished answer would have been kept).
+        assert get_json(url, "/health")["kept_conversations"] == 1
 
 
 def test_seeded_sampling_repeats_and_max_completion_tokens_bounds_the_answer(client):

@@ -1,7 +1,7 @@
 """`bitune-serve`: an OpenAI-compatible chat server for Bitune adapters that keeps each conversation's mixed cache.
 
-Needs the `serve` extra (`pip install 'peft-bitune[serve]'`: FastAPI, uvicorn, openai). `ChatEngine` and the kept
-conversations (`engine.py`, `conversations.py`) need only torch and transformers; `build_app` (`app.py`) the extra.
+The HTTP side (`app.py`, `server.py`, `cli.py`) needs the `serve` extra (`pip install 'peft-bitune[serve]'`: FastAPI,
+uvicorn, openai); `ChatEngine` and the kept conversations (`engine.py`, `conversations.py`) do not import them.
 """
 
 from .conversations import ConversationStore, KeptConversation
