@@ -38,6 +38,7 @@ BASE = os.path.join(ROOT, "examples", "miniature", "base")
 TEMPLATE_FILE = os.path.join(ROOT, "examples", "miniature", "chat_template.jinja")
 NAME = "miniature-bitune"
 MAX_TOKENS = 6
+REQUEST_TIMEOUT_S = 300  # generous: on a loaded CI machine a request may wait behind all the others
 STORIES = [
     "Story: Ana has 2 hats. Bo has 5 hats.\nAsk: How many hats do they have?",
     "Story: Leki packed a map, a coin and a vase into a bag.\nAsk: Is there a book in the bag?",
@@ -88,7 +89,7 @@ def server(adapter_dir, tokenizer, template):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
 
 
 def render(tokenizer, template, messages):
@@ -154,14 +155,14 @@ def streamed(client, messages, max_tokens=MAX_TOKENS, **settings):
 def post_raw(url, body: bytes, path="/v1/chat/completions"):
     request = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
 
 
 def get_json(url, path):
-    with urllib.request.urlopen(url + path, timeout=30) as response:
+    with urllib.request.urlopen(url + path, timeout=REQUEST_TIMEOUT_S) as response:
         return json.loads(response.read())
 
 
@@ -201,7 +202,7 @@ def test_eight_concurrent_clients_three_turns_each_get_their_own_answers(client,
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
+        thread.join(timeout=REQUEST_TIMEOUT_S)
     assert results == expected
     assert all(cached > 0 for turns in results for _, cached in turns[1:])
 
@@ -220,7 +221,7 @@ def test_an_edited_history_gets_a_full_prefill_not_the_kept_cache(client, refere
 def test_a_dropped_conversation_gets_a_full_prefill(adapter_dir, reference_model, tokenizer, template):
     engine = ChatEngine(load_model(adapter_dir), tokenizer, template, cache_budget_bytes=1)  # keeps nothing
     with serving_in_thread(build_app(engine, NAME)) as url:
-        small = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        small = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
         turns = [STORIES[3], FOLLOW_UPS[0]]
         results = server_chat(small, turns)
     assert [cached for _, cached in results] == [0, 0]
@@ -265,7 +266,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
 def leave_stream(url, body, wait_for_content: bool) -> None:
     """Open a streaming request, read its first event (or its first answer text) and disconnect."""
     address = urlparse(url)
-    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=REQUEST_TIMEOUT_S)
     connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     response = connection.getresponse()
     assert response.status == 200
@@ -278,7 +279,7 @@ def leave_stream(url, body, wait_for_content: bool) -> None:
 
 
 def wait_for_cancelled_streams(url, count: int) -> dict:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
     while (health := get_json(url, "/health"))["cancelled_streams"] < count and time.monotonic() < deadline:
         time.sleep(0.05)
     return health
@@ -292,14 +293,14 @@ def test_a_client_that_leaves_a_stream_frees_its_work(adapter_dir, tokenizer, te
     body = {"model": NAME, "messages": messages, "max_tokens": 150, "temperature": 0, "stream": True}
     with serving_in_thread(build_app(engine, NAME)) as url:
         release = threading.Event()
-        busy = engine.worker.submit(release.wait, 30)  # the worker is busy: the next request waits in the queue
+        busy = engine.worker.submit(release.wait, REQUEST_TIMEOUT_S)  # the worker is busy: the next request waits in the queue
         leave_stream(url, body, wait_for_content=False)
         assert wait_for_cancelled_streams(url, 1)["cancelled_streams"] == 1
         release.set()
-        busy.result(timeout=30)
+        busy.result(timeout=REQUEST_TIMEOUT_S)
         leave_stream(url, body, wait_for_content=True)  # this time the client leaves while the answer is generated
         assert wait_for_cancelled_streams(url, 2)["cancelled_streams"] == 2
-        left = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        left = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
         after = left.chat.completions.create(model=NAME, messages=messages, max_tokens=3, temperature=0)
         assert after.choices[0].finish_reason == "length" and after.usage.completion_tokens == 3
         # Only this last conversation is kept: the queued request never ran, and the other one was aborted (a
@@ -336,7 +337,7 @@ def test_the_command_serves_the_adapter(adapter_dir):
         assert "serving" in line, line
         url = line.split(" on ")[-1].strip()
         assert url.startswith("http://127.0.0.1:")
-        cli_client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        cli_client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
         response = cli_client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": STORIES[0]}],
                                                       max_tokens=2, temperature=0)
         assert response.usage.completion_tokens <= 2
