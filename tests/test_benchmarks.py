@@ -151,3 +151,23 @@ def test_smollm2_shape_is_the_real_models():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
+
+
+def test_serving_reuse_reads_only_new_turns_and_writes_its_report(tmp_path):
+    pytest.importorskip("openai", reason="the serving benchmark needs the `serve` extra")
+    spec = importlib.util.spec_from_file_location("serving_reuse", BENCHMARKS / "serving_reuse.py")
+    serving_reuse = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serving_reuse)
+    out = tmp_path / "serving.json"
+    report = serving_reuse.main(["--model", "miniature", "--rounds", "1", "--max-tokens", "2", "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    result = report["models"]["miniature"]
+    reuse, full = result["reuse"], result["full_prefill"]
+    assert len(reuse) == len(full) == serving_reuse.TURNS
+    assert [r["prompt_tokens"] for r in reuse] == [r["prompt_tokens"] for r in full]
+    assert all(r["read_tokens"] == r["prompt_tokens"] for r in full) and reuse[0]["read_tokens"] == full[0]["read_tokens"]
+    for turn, (with_reuse, without) in enumerate(zip(reuse[1:], full[1:]), start=2):
+        assert with_reuse["cached_tokens"] > 0 and with_reuse["read_tokens"] < without["read_tokens"], turn
+    for row in reuse + full:
+        assert row["completion_tokens"] == 2 and positive_finite(row["time_to_first_token_s"]), row
+    assert result["totals"]["read_tokens"]["reuse"] == sum(r["read_tokens"] for r in reuse)
