@@ -26,6 +26,7 @@ pytest.importorskip("fastapi", reason="the serving tests need the `serve` extra"
 from peft import PeftModel  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from peft_bitune import compat  # noqa: E402
 from peft_bitune.caches import BituneCache  # noqa: E402
 from peft_bitune.serving import ConversationStore, KeptConversation  # noqa: E402
 from peft_bitune.serving.app import build_app  # noqa: E402
@@ -109,9 +110,9 @@ def reference_chat(model, tokenizer, template, user_turns, max_tokens=MAX_TOKENS
         else:
             assert text.startswith(kept_text)
             new = tokenizer(text[len(kept_text) :], add_special_tokens=False, return_tensors="pt")["input_ids"]
-            input_ids, cache = torch.cat([output.sequences, new], dim=1), output.past_key_values
+            input_ids, cache = torch.cat([output.sequences, new], dim=1), compat.output_cache(output)
             cached = cache.get_seq_length()
-        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
+        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), cache=cache,
                                 **settings)
         answer_ids = output.sequences[0, input_ids.shape[1] :]
         answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
@@ -359,7 +360,7 @@ def test_stop_strings_are_cut_the_same_whole_or_streamed():
 def fake_conversation(text: str, tokens: int) -> KeptConversation:
     cache = BituneCache()
     cache.update(torch.zeros(1, 1, tokens - 1, 2), torch.zeros(1, 1, tokens - 1, 2), 0)
-    cache.conversation_length = tokens
+    cache.record_conversation(torch.arange(tokens)[None], torch.ones(1, tokens, dtype=torch.long))
     return KeptConversation(text, list(range(tokens)), cache)
 
 

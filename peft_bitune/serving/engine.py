@@ -3,7 +3,7 @@
 Every request runs on one worker thread (transformers' `InferenceThread`), one after another: a request waits for the
 ones before it, and no two requests ever share a cache or a generation. A request whose rendered prompt extends a kept
 conversation (see `conversations.py`) is a chat continuation exactly as in docs/generation.md: `input_ids` is the kept
-output sequence followed by the tokens of the new text, `past_key_values` the kept cache, so only the new tokens are
+output sequence followed by the tokens of the new text, `cache` the kept cache, so only the new tokens are
 read (paper A.8, alternating). Otherwise the whole rendered prompt is one instruction (a full prefill).
 
 The engine knows nothing about HTTP; `app.py` turns requests into `ChatRequest`s and results into OpenAI responses.
@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .. import compat
 from ..generation import text_config
 from .conversations import ConversationStore, KeptConversation
 
@@ -116,7 +117,7 @@ class ChatEngine:
         output = self.model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),  # one conversation: no padding anywhere
-            past_key_values=cache,
+            cache=cache,
             generation_config=generation_config,
             tokenizer=self.tokenizer,  # for stop strings
             streamer=streamer,
@@ -124,7 +125,7 @@ class ChatEngine:
         sequence = output.sequences[0].tolist()
         answer_ids = sequence[len(input_ids) :]
         decoded = self.tokenizer.decode(answer_ids, skip_special_tokens=False)
-        self.store.keep(KeptConversation(request.prompt_text + decoded, sequence, output.past_key_values))
+        self.store.keep(KeptConversation(request.prompt_text + decoded, sequence, compat.output_cache(output)))
         content, hit_stop = cut_at_stop(self.tokenizer.decode(answer_ids, skip_special_tokens=True), request.stop)
         ended_by_eos = bool(answer_ids) and answer_ids[-1] in _eos_ids(request.generation_config)
         finish_reason = "length" if not (hit_stop or ended_by_eos) and len(answer_ids) >= max_new_tokens else "stop"
