@@ -1,0 +1,86 @@
+"""Bitune under sharded data parallelism (FSDP), on 2 CPU processes with gloo, against the same steps in one process.
+
+accelerate turns an FSDP request into plain DDP on a machine without accelerators, so the sharding is applied
+directly, as accelerate does on GPUs: FSDP2 `fully_shard` on every decoder layer, then on the root; FSDP1 as the
+`FullyShardedDataParallel` wrapper with one unit per decoder layer. The DDP test is in test_trl_integration.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sharded_training
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CASES = [
+    {"name": "fsdp2", "sharding": "fsdp2"},
+    {"name": "fsdp2_checkpointing", "sharding": "fsdp2", "gradient_checkpointing": True},  # non-reentrant
+    {"name": "fsdp1", "sharding": "fsdp1"},
+    {"name": "fsdp2_layers_only", "sharding": "fsdp2_layers_only"},
+]
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory) -> dict[str, dict]:
+    """Every case of `CASES`, trained by one `torchrun` with 2 processes; the outcome of each, by name."""
+    output_dir = tmp_path_factory.mktemp("sharded")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+        str(sharded_training.PROCESSES), str(Path(sharded_training.__file__)), str(output_dir), json.dumps(CASES),
+    ]
+    environment = {
+        **os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {case["name"]: torch.load(output_dir / f"{case['name']}.pt") for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    return sharded_training.reference_training()
+
+
+def _receives_gradient(name: str) -> bool:
+    """In the last layer, the bidirectional weights only produce the keys/values of the prompt cache: the others (query,
+    output, MLP) get no gradient."""
+    last_layer = f"layers.{sharded_training.NUM_LAYERS - 1}."
+    kv_projection = ".k_proj." in name or ".v_proj." in name
+    return not ("__bidirectional" in name and last_layer in name and not kv_projection)
+
+
+def test_reference_trains_both_weight_sets_and_the_mixing_scalars(reference):
+    before, after = reference
+    for kind in ("__causal", "__bidirectional", "bitune_mixers"):
+        assert any(kind in name for name in before), kind
+    for name in before:
+        assert torch.equal(before[name], after[name]) != _receives_gradient(name), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fsdp2", "fsdp2_checkpointing", "fsdp1"])
+def test_sharded_training_matches_one_process(sharded_runs, reference, case):
+    outcome = sharded_runs[case]
+    assert "error" not in outcome, outcome.get("error")
+    # FSDP hooks the decoder layers' forwards: the prompt passes run to the end of the decoder.
+    assert outcome["stops_early"] is False
+    before, expected = reference
+    weights = outcome["weights"]
+    assert set(weights) == set(expected)
+    for name, value in weights.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert torch.equal(value, before[name]) != _receives_gradient(name), name
+
+
+@pytest.mark.slow
+def test_refuses_sharded_layers_with_unsharded_mixing_scalars(sharded_runs):
+    assert "Apply `fully_shard` to the PEFT model itself" in sharded_runs["fsdp2_layers_only"]["error"]
