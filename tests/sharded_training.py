@@ -100,6 +100,27 @@ def shard_fsdp2(model):
     return fully_shard(model)
 
 
+def shard_fsdp2_as_accelerate(model):
+    """accelerate's own FSDP2 preparation (`fsdp_version: 2`, TRANSFORMER_BASED_WRAP): the embeddings, every decoder
+    layer, the final norm with the LM head, then the root. accelerate only runs it on accelerators, so it is called
+    directly here with the settings its launcher would give."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        reshard_after_forward=True, state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False,
+    )
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(fsdp_plugin=plugin), is_main_process=dist.get_rank() == 0, device=torch.device("cpu"),
+        mixed_precision="no", parallelism_config=None,
+    )
+    return fsdp2_prepare_model(accelerator, model)
+
+
 def shard_fsdp2_layers_only(model):
     """`fully_shard` on the decoder layers but not on the root, which leaves the mixing scalars out of the sharding."""
     from torch.distributed.fsdp import fully_shard
@@ -121,7 +142,7 @@ def shard_fsdp1(model):
     return FullyShardedDataParallel(model, auto_wrap_policy=policy, use_orig_params=True, device_id=torch.device("cpu"))
 
 
-SHARDINGS = {"fsdp2": shard_fsdp2, "fsdp2_layers_only": shard_fsdp2_layers_only, "fsdp1": shard_fsdp1}
+SHARDINGS = {"fsdp2": shard_fsdp2, "fsdp2_accelerate": shard_fsdp2_as_accelerate, "fsdp2_layers_only": shard_fsdp2_layers_only, "fsdp1": shard_fsdp1}
 
 
 def gather_weights(model, sharding: str, names: list[str]) -> dict[str, torch.Tensor]:
@@ -139,6 +160,13 @@ def gather_weights(model, sharding: str, names: list[str]) -> dict[str, torch.Te
     return {name: state[name] for name in names}
 
 
+def fsdp2_units(model) -> list[str]:
+    """The names of the modules `fully_shard` made into FSDP2 units."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+
+
 def run_case(case: dict, output_dir: Path) -> None:
     import torch.distributed as dist
 
@@ -147,7 +175,7 @@ def run_case(case: dict, output_dir: Path) -> None:
     names = trainable_names(model)
     sharded = SHARDINGS[case["sharding"]](model)
     # Whether a prompt pass may end at the last layer's keys/values, as seen under this sharding.
-    outcome: dict = {"stops_early": model.base_model._prompt_passes_may_stop_early()}
+    outcome: dict = {"stops_early": model.base_model._prompt_passes_may_stop_early(), "fsdp2_units": fsdp2_units(model)}
     try:
         train(sharded, slice(rank * ROWS_PER_PROCESS, (rank + 1) * ROWS_PER_PROCESS))
         outcome["weights"] = gather_weights(sharded, case["sharding"], names)

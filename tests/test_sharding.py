@@ -1,7 +1,8 @@
 """Bitune under sharded data parallelism (FSDP), on 2 CPU processes with gloo, against the same steps in one process.
 
 accelerate turns an FSDP request into plain DDP on a machine without accelerators, so the sharding is applied
-directly, as accelerate does on GPUs: FSDP2 `fully_shard` on every decoder layer, then on the root; FSDP1 as the
+directly: FSDP2 `fully_shard` on every decoder layer, then on the root, and through accelerate's own FSDP2
+preparation (which also makes units of the embeddings and of the final norm with the LM head); FSDP1 as the
 `FullyShardedDataParallel` wrapper with one unit per decoder layer. The DDP test is in test_trl_integration.py.
 """
 
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CASES = [
     {"name": "fsdp2", "sharding": "fsdp2"},
+    {"name": "fsdp2_accelerate", "sharding": "fsdp2_accelerate"},
     {"name": "fsdp2_checkpointing", "sharding": "fsdp2", "gradient_checkpointing": True},  # non-reentrant
     {"name": "fsdp1", "sharding": "fsdp1"},
     {"name": "fsdp2_layers_only", "sharding": "fsdp2_layers_only"},
@@ -67,10 +69,13 @@ def test_reference_trains_both_weight_sets_and_the_mixing_scalars(reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["fsdp2", "fsdp2_checkpointing", "fsdp1"])
+@pytest.mark.parametrize("case", ["fsdp2", "fsdp2_accelerate", "fsdp2_checkpointing", "fsdp1"])
 def test_sharded_training_matches_one_process(sharded_runs, reference, case):
     outcome = sharded_runs[case]
     assert "error" not in outcome, outcome.get("error")
+    if case.startswith("fsdp2"):
+        layers = {f"base_model.model.model.layers.{i}" for i in range(sharded_training.NUM_LAYERS)}
+        assert layers | {""} <= set(outcome["fsdp2_units"])  # every decoder layer, and the root
     # FSDP hooks the decoder layers' forwards: the prompt passes run to the end of the decoder.
     assert outcome["stops_early"] is False
     before, expected = reference
