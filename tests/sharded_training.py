@@ -2,7 +2,7 @@
 
 Run under `torchrun --nproc_per_node 2 tests/sharded_training.py OUTPUT_DIR CASES_JSON` (CPU, gloo): for each case,
 every process trains on its half of each batch, the full state dict is gathered, and the main process saves the
-trainable weights to OUTPUT_DIR/<case>.pt. `reference_training` runs the same steps in one process (the loss of a step
+trainable weights (or the error) to OUTPUT_DIR/<case>.pt, and with `"save": true` the adapter to OUTPUT_DIR/<case>/. `reference_training` runs the same steps in one process (the loss of a step
 is the mean of the per-process losses, as data parallelism averages gradients). Nothing is downloaded.
 """
 
@@ -25,15 +25,20 @@ NUM_LAYERS = 2
 LEARNING_RATE = 0.5  # plain SGD: a gradient error shows as the same error in the weights
 
 
-def build_model(gradient_checkpointing: bool = False):
-    """The same tiny Bitune model (LoRA r=4 on every linear layer, both weight sets) in every process."""
+def build_base() -> LlamaForCausalLM:
+    """The same tiny random Llama in every process."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False,
     )
+    return LlamaForCausalLM(config)
+
+
+def build_model(gradient_checkpointing: bool = False):
+    """The same tiny Bitune model (LoRA r=4 on every linear layer, both weight sets) in every process."""
     model = get_peft_model(
-        LlamaForCausalLM(config),
+        build_base(),
         peft_bitune.BituneConfig(adapter_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")),
     )
     if gradient_checkpointing:
@@ -160,6 +165,18 @@ def gather_weights(model, sharding: str, names: list[str]) -> dict[str, torch.Te
     return {name: state[name] for name in names}
 
 
+def save_adapter(model, directory: Path) -> None:
+    """Save the adapter as `Trainer.save_model` does under FSDP2 with FULL_STATE_DICT: every process gathers the full
+    state dict, the main process writes it with `save_pretrained(state_dict=...)`."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if dist.get_rank() == 0:
+        model.save_pretrained(str(directory), state_dict=state)
+    dist.barrier()
+
+
 def fsdp2_units(model) -> list[str]:
     """The names of the modules `fully_shard` made into FSDP2 units."""
     from torch.distributed.fsdp import FSDPModule
@@ -179,6 +196,8 @@ def run_case(case: dict, output_dir: Path) -> None:
     try:
         train(sharded, slice(rank * ROWS_PER_PROCESS, (rank + 1) * ROWS_PER_PROCESS))
         outcome["weights"] = gather_weights(sharded, case["sharding"], names)
+        if case.get("save"):
+            save_adapter(model, output_dir / case["name"])
     except Exception as error:  # reported to the test, which checks the message
         outcome["error"] = f"{type(error).__name__}: {error}"
     if rank == 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CASES = [
     {"name": "fsdp2", "sharding": "fsdp2"},
-    {"name": "fsdp2_accelerate", "sharding": "fsdp2_accelerate"},
+    {"name": "fsdp2_accelerate", "sharding": "fsdp2_accelerate", "save": True},
     {"name": "fsdp2_checkpointing", "sharding": "fsdp2", "gradient_checkpointing": True},  # non-reentrant
     {"name": "fsdp1", "sharding": "fsdp1"},
     {"name": "fsdp2_layers_only", "sharding": "fsdp2_layers_only"},
@@ -42,9 +43,11 @@ def sharded_runs(tmp_path_factory) -> dict[str, dict]:
         **os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
-    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    return {case["name"]: torch.load(output_dir / f"{case['name']}.pt") for case in CASES}
+    outcomes = {case["name"]: torch.load(output_dir / f"{case['name']}.pt") for case in CASES}
+    outcomes["fsdp2_accelerate"]["adapter_dir"] = output_dir / "fsdp2_accelerate"
+    return outcomes
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +92,44 @@ def test_sharded_training_matches_one_process(sharded_runs, reference, case):
 @pytest.mark.slow
 def test_refuses_sharded_layers_with_unsharded_mixing_scalars(sharded_runs):
     assert "Apply `fully_shard` to the PEFT model itself" in sharded_runs["fsdp2_layers_only"]["error"]
+
+
+@pytest.mark.slow
+def test_adapter_saved_from_the_sharded_model_loads_with_the_trained_weights(sharded_runs, reference):
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(sharded_training.build_base(), str(sharded_runs["fsdp2_accelerate"]["adapter_dir"]))
+    expected = reference[1]
+    state = loaded.state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _documented_accelerate_configs() -> list[str]:
+    """The accelerate config files shown in docs/training.md, "More than one device"."""
+    text = (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
+    section = text.split("\n## More than one device\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+
+
+def test_documented_accelerate_configs_are_valid(tmp_path):
+    """Each config of the docs loads in accelerate (which refuses unknown keys), and its FSDP settings are options of
+    `accelerate launch`: FSDP2, one unit per decoder layer, without FSDP's own activation checkpointing."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import launch_command_parser
+
+    launch_options = {action.dest for action in launch_command_parser()._actions}
+    configs = _documented_accelerate_configs()
+    assert len(configs) == 4  # DDP and FSDP2, on one machine and on two
+    for number, text in enumerate(configs):
+        path = tmp_path / f"{number}.yaml"
+        path.write_text(text)
+        config = ClusterConfig.from_yaml_file(str(path))
+        assert config.num_processes % config.num_machines == 0
+        if config.num_machines > 1:
+            assert config.main_process_ip and config.main_process_port
+        if config.distributed_type == "FSDP":
+            assert set(config.fsdp_config) <= launch_options
+            assert config.fsdp_config["fsdp_version"] == 2
+            assert config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+            assert config.fsdp_config["fsdp_activation_checkpointing"] is False
