@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,8 +44,16 @@ def sharded_runs(tmp_path_factory) -> dict[str, dict]:
         **os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
-    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
+    # Its own process group, so that a timeout ends the workers too, not only the launcher.
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+                                start_new_session=True)
+    try:
+        _, stderr = launcher.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.communicate()
+        raise
+    assert launcher.returncode == 0, stderr[-4000:]
     outcomes = {case["name"]: torch.load(output_dir / f"{case['name']}.pt") for case in CASES}
     outcomes["fsdp2_accelerate"]["adapter_dir"] = output_dir / "fsdp2_accelerate"
     return outcomes
