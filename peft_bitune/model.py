@@ -25,6 +25,7 @@ from .layout import IGNORE_INDEX, Chunk, ConversationLayout, Turn, compact_left
 from .mixing import BituneKVMixer
 from .persistence import BituneCheckpointMixin
 from .registration import BITUNE_PREFIX
+from .sharding import LayerPath, check_sharding, unshard_before_backward
 
 WeightSet = Literal["causal", "bidirectional"]
 CAUSAL: WeightSet = "causal"
@@ -434,6 +435,9 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             mode=self.peft_config[self.active_adapter].multi_turn,
         )
         is_embeds = input_ids is None
+        check_sharding(
+            self._module_index().decoder_layer_paths, _num_layers(self.model), self.bitune_mixers[self.active_adapter]
+        )
         stop_early = self._prompt_passes_may_stop_early()
         with self._checkpointing_keeps_caches():
             if layout.mode == "history":
@@ -495,7 +499,19 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         for weight_set in (BIDIRECTIONAL, CAUSAL):
             recorded[weight_set] = recording_cache()
             self._prompt_pass(weight_set, recorded[weight_set], **inputs)
+            self._gather_shards_for_recorded(recorded[weight_set])
         return mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer)
+
+    def _gather_shards_for_recorded(self, cache: Cache) -> None:
+        """Under FSDP2, the keys/values a prompt pass recorded leave each decoder layer through the cache, not through
+        the layer's output (which the last layer's prompt pass never uses): have their gradient gather the layer's
+        parameters first (see `peft_bitune.sharding`)."""
+        paths = self._module_index().decoder_layer_paths
+        if not torch.is_grad_enabled() or len(paths) != len(cache.layers):
+            return  # nothing to gather for, or no one-to-one map from cache to decoder layers (`check_sharding`)
+        for path, layer in zip(paths, cache.layers):
+            if layer.recorded_keys is not None:
+                unshard_before_backward((layer.recorded_keys, layer.recorded_values), path.fsdp_unit())
 
     def _prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: torch.Tensor) -> None:
         """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used; a
@@ -622,6 +638,8 @@ class _ModuleIndex:
     # The decoder's modules that a prompt pass stopped at the last layer's keys/values leaves early or skips: all but
     # those inside the earlier decoder layers, which finish before it stops.
     early_exit_path: tuple[nn.Module, ...]
+    # Where each decoder layer sits in the model, in layer order: FSDP units and wrappers are found along these.
+    decoder_layer_paths: tuple[LayerPath, ...]
 
     @classmethod
     def of(cls, model: nn.Module) -> _ModuleIndex:
@@ -629,10 +647,12 @@ class _ModuleIndex:
         decoder = _decoder(model)
         decoder_layers = [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
         finished = {id(m) for layer in decoder_layers[:-1] for m in layer.modules()}
+        layer_names = {id(m): name for name, m in model.named_modules()}
         return cls(
             tuple(m for m in modules if isinstance(m, BaseTunerLayer)),
             tuple(m for m in modules if isinstance(m, GradientCheckpointingLayer)),
             tuple(m for m in decoder.modules() if id(m) not in finished),
+            tuple(LayerPath.of(model, layer_names[id(layer)]) for layer in decoder_layers),
         )
 
 
