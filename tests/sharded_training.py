@@ -17,6 +17,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import peft_bitune
+from peft_bitune import compat
 
 PROCESSES = 2
 STEPS = 3
@@ -42,7 +43,7 @@ def build_model(gradient_checkpointing: bool = False):
         peft_bitune.BituneConfig(adapter_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")),
     )
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        compat.enable_checkpointing(model, use_reentrant=False)
     return model.train()
 
 
