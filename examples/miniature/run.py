@@ -280,14 +280,18 @@ def run(settings: Settings, log=print, work_dir: str | None = None, report_only:
             f"({time.time() - started:.0f}s)")
         return record
 
-    base = AutoModelForCausalLM.from_pretrained(settings.base, dtype=torch.float32).eval()
-    results: dict = {"base": evaluate(base, tokenizer, test, settings), "methods": {}}
-    del base
+    base_scores = store.get("base", 0, 0)  # the untuned base: scored once per store
+    if base_scores is None:
+        base = AutoModelForCausalLM.from_pretrained(settings.base, dtype=torch.float32).eval()
+        base_scores = evaluate(base, tokenizer, test, settings)
+        store.put("base", 0, 0, base_scores)
+        del base
+    results: dict = {"base": base_scores, "methods": {}}
     log(f"base: average {results['base']['tasks']['average']:.3f}  ({time.time() - started:.0f}s)")
 
     # Every method's learning-rate search first, then the other seeds of each method, best validation score first:
     # if the experiment is cut short, what is missing is the least promising.
-    first_seed, *other_seeds = settings.seeds
+    first_seed, other_seeds = settings.seeds[0], settings.seeds[1:]
     searches, best = {}, {}
     for name in settings.methods:
         runs = {lr: one_run(METHODS[name], lr, first_seed, {"validation": validation, "test": test})
