@@ -299,7 +299,9 @@ def show_mixing(model: Any, plot_path: str) -> None:
     from peft_bitune.visualize import mixing_coefficients
 
     alphas = mixing_coefficients(model)
-    print("\nLearned mixing coefficients (alpha = weight of the bidirectional cache; 0.5 at the start):")
+    config = model.peft_config[model.active_adapter]
+    start = config.mix_init / (config.mix_init + config.mix_scale)
+    print(f"\nLearned mixing coefficients (alpha = weight of the bidirectional cache; {start:.3g} at the start):")
     print("layer  keys    values")
     for layer, (key_alpha, value_alpha) in enumerate(zip(alphas["keys"].tolist(), alphas["values"].tolist())):
         print(f"{layer:>5}  {key_alpha:.4f}  {value_alpha:.4f}")
