@@ -60,11 +60,16 @@ def plot_accuracy(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def _per_seed(results: dict, key: str) -> dict[str, list]:
+    """`key` of every seed of every method that has it (older results JSON files lack curves and alphas)."""
+    found = {name: [seed[key] for seed in method["seeds"].values() if seed.get(key)]
+             for name, method in results["methods"].items()}
+    return {name: values for name, values in found.items() if values}
+
+
 def plot_loss_curves(results: dict, path: Path) -> bool:
     """Training loss against step, one line per method (mean over its seeds, the range shaded)."""
-    curves = {name: [seed["loss_curve"] for seed in method["seeds"].values() if seed.get("loss_curve")]
-              for name, method in results["methods"].items()}
-    curves = {name: runs for name, runs in curves.items() if runs}
+    curves = _per_seed(results, "loss_curve")
     if not curves:
         return False
     figure, axes = plt.subplots(figsize=(7, 4))
@@ -89,9 +94,7 @@ def plot_loss_curves(results: dict, path: Path) -> bool:
 
 def plot_alphas(results: dict, path: Path) -> bool:
     """The learned mixing coefficients per layer (keys and values), mean over seeds, one line per Bitune method."""
-    learned = {name: [seed["alphas"] for seed in method["seeds"].values() if seed.get("alphas")]
-               for name, method in results["methods"].items()}
-    learned = {name: runs for name, runs in learned.items() if runs}
+    learned = _per_seed(results, "alphas")
     if not learned:
         return False
     figure, panels = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
