@@ -27,17 +27,17 @@ import torch  # noqa: E402
 from measure import Clock, Ratio, RoundPolicy, interleaved_rounds  # noqa: E402
 from models import MODEL_SIZES, build_pair, prompt_batch  # noqa: E402
 from peft_bitune.caches import pass_cache  # noqa: E402
-from peft_bitune.generation import text_config  # noqa: E402
+from peft_bitune.common import num_layers  # noqa: E402
 
 CELLS = [(1, 128), (8, 32), (8, 128), (16, 128)]  # (batch, prompt length)
 
 
 def prompt_pass(bitune, inputs: dict[str, torch.Tensor], train: bool) -> None:
     """One causal prompt pass that records its keys/values (and, in training, backpropagates through them)."""
-    cache = pass_cache(text_config(bitune.model).num_hidden_layers, record=True,
-                       stop_after_last_record=bitune._prompt_passes_may_stop_early())
+    passes = bitune._passes()
+    cache = pass_cache(num_layers(bitune.model), record=True, stop_after_last_record=passes.stop_early)
     with torch.set_grad_enabled(train):
-        bitune._prompt_pass("causal", cache, **inputs)
+        passes.prompt_pass("causal", cache, **inputs)
         if train:
             sum(layer.recorded_keys.float().sum() + layer.recorded_values.float().sum()
                 for layer in cache.layers).backward()

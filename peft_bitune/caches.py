@@ -1,4 +1,4 @@
-"""Key/value caches of the passes, the in-place mix of two generation caches, and the conversation cache.
+"""Key/value caches of the passes, the mix of two recorded prompt passes, and the conversation cache.
 
 Each pass reads the keys/values built so far and may record its own. Two properties matter, and transformers'
 `DynamicCache` has neither:
@@ -23,6 +23,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
+from .common import check_mask_shape
 from .mixing import BituneKVMixer, mix_key_values
 
 
@@ -161,10 +162,7 @@ class BituneCache(DynamicCache):
     def record_conversation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """Remember the conversation the cache now stands for: (rows, columns) token ids and their attention mask
         (1 on every token whose keys/values the cache holds as real)."""
-        if input_ids.shape != attention_mask.shape:
-            raise ValueError(
-                f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
-            )
+        check_mask_shape(input_ids, attention_mask)
         self.conversation_ids = input_ids.detach().clone()
         self.conversation_mask = attention_mask.detach().to(torch.bool).clone()
 
@@ -177,16 +175,14 @@ class BituneCache(DynamicCache):
         that ended early, but not added).
 
         Args:
-            input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the conversation so far, then the new tokens.
+            input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the conversation so far, then the new
+                tokens.
             attention_mask (`torch.Tensor` of shape (batch_size, seq_len)): 1 on real tokens.
         """
         if self.conversation_ids is None:
             raise ValueError("This BituneCache holds no conversation yet: start one with `generate` or `prefill`.")
         rows, width = self.conversation_ids.shape
-        if input_ids.shape != attention_mask.shape:
-            raise ValueError(
-                f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
-            )
+        check_mask_shape(input_ids, attention_mask)
         if input_ids.dim() != 2 or input_ids.shape[0] != rows:
             raise ValueError(
                 f"This cache holds {rows} conversations but `input_ids` has shape {tuple(input_ids.shape)}; continue "
@@ -236,13 +232,15 @@ def recorded_key_values(cache: Cache) -> tuple[list[torch.Tensor], list[torch.Te
     return [layer.recorded_keys for layer in layers], [layer.recorded_values for layer in layers]
 
 
-def mix_recorded(causal: Cache, bidirectional: Cache, mixer: BituneKVMixer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def mix_recorded(
+    causal: Cache, bidirectional: Cache, mixer: BituneKVMixer
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Mix two recorded prompt passes layer by layer; returns the mixed keys and values."""
     key_alpha, value_alpha = mixer.coefficients()
     causal_keys, causal_values = recorded_key_values(causal)
     bidirectional_keys, bidirectional_values = recorded_key_values(bidirectional)
-    keys = [mix_key_values(c, b, key_alpha[i]) for i, (c, b) in enumerate(zip(causal_keys, bidirectional_keys))]
-    values = [mix_key_values(c, b, value_alpha[i]) for i, (c, b) in enumerate(zip(causal_values, bidirectional_values))]
+    keys = [mix_key_values(c, b, alpha) for c, b, alpha in zip(causal_keys, bidirectional_keys, key_alpha)]
+    values = [mix_key_values(c, b, alpha) for c, b, alpha in zip(causal_values, bidirectional_values, value_alpha)]
     return keys, values
 
 

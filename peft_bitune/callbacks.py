@@ -1,4 +1,5 @@
-"""`BituneMixingCallback`: the mixing coefficients of a Bitune adapter in the training logs of any `transformers.Trainer`.
+"""`BituneMixingCallback`: the mixing coefficients of a Bitune adapter in the training logs of any
+`transformers.Trainer`.
 
 The mixing scalars move a lot early in training (layer-0 keys fell from 0.5 to 0.02 in 9 steps in one run), so they are
 worth watching. A callback rather than a trainer override, so that a plain `Trainer` gets them too;
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .model import BituneModel
+from .model import BituneModel, find_bitune_tuner
 
 LOG_PREFIX = "bitune/"
 
@@ -40,17 +41,17 @@ class BituneMixingCallback(TrainerCallback):
     optimizer steps since the last per-layer log.
 
     The values go into the log dict that later callbacks report (progress bar, W&B, TensorBoard...) and into
-    `trainer.state.log_history`. Reporting callbacks that run *before* this one do not see them: `BituneSFTTrainer` puts
-    it first; with a plain `Trainer`, do the same with `trainer.callback_handler.callbacks.insert(0, callback)` if you
-    report to such a service (`Trainer(callbacks=[...])` appends it after the `report_to` integrations).
+    `trainer.state.log_history`. Reporting callbacks that run *before* this one do not see them: `BituneSFTTrainer`
+    puts it first; with a plain `Trainer`, do the same with `trainer.callback_handler.callbacks.insert(0, callback)` if
+    you report to such a service (`Trainer(callbacks=[...])` appends it after the `report_to` integrations).
 
     Under sharded training the scalars are gathered first: FSDP2 and DeepSpeed ZeRO-3 are recognised from the
     parameters; FSDP1 shards them inside a wrapper the callback is not given, so pass `gather` (`BituneSFTTrainer`
     does).
 
     Args:
-        per_layer_steps (`int`, *optional*, defaults to 100): the interval of the per-layer values; `None` or 0 logs the
-            means only.
+        per_layer_steps (`int`, *optional*, defaults to 100): the interval of the per-layer values; `None` or 0 logs
+            the means only.
         gather (`Callable[[BituneModel], ContextManager]`, *optional*): a context manager factory under which the whole
             mixing scalars can be read on every process; by default, the one that recognises DeepSpeed ZeRO-3.
 
@@ -79,7 +80,13 @@ class BituneMixingCallback(TrainerCallback):
         self._last_per_layer_step = None
 
     def on_log(
-        self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, model: Any = None, **kwargs: Any
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        logs: dict[str, float] | None = None,
+        model: Any = None,
+        **kwargs: Any,
     ) -> None:
         # Only training logs: not the eval logs, not the end-of-training summary (which has `train_loss`).
         if logs is None or "loss" not in logs or model is None or not model.training:
@@ -108,20 +115,21 @@ class BituneMixingCallback(TrainerCallback):
 
 def find_bitune_model(model: nn.Module) -> BituneModel:
     """The `BituneModel` inside `model` (a `PeftModel`, or one wrapped by DDP/FSDP)."""
-    for module in model.modules():
-        if isinstance(module, BituneModel):
-            return module
+    bitune = find_bitune_tuner(model)
+    if bitune is not None:
+        return bitune
     raise ValueError(
-        f"`BituneMixingCallback` logs the mixing coefficients of a Bitune adapter, but the trained "
-        f"{type(model).__name__} holds none. Train a model made with `get_peft_model(model, BituneConfig())`, or remove "
-        "the callback."
+        "`BituneMixingCallback` logs the mixing coefficients of a Bitune adapter, but the trained "
+        f"{type(model).__name__} holds none. Train a model made with `get_peft_model(model, BituneConfig())`, or "
+        "remove the callback."
     )
 
 
 def gathered_mixing_scalars(bitune: BituneModel) -> contextlib.AbstractContextManager:
     """
     Outside the forward, sharded training keeps only a shard of each parameter on a process. FSDP2 exposes the scalars
-    as DTensors (gathered when read); DeepSpeed ZeRO-3 must gather them. Every process logs, so every process takes part.
+    as DTensors (gathered when read); DeepSpeed ZeRO-3 must gather them. Every process logs, so every process takes
+    part.
     """
     parameters = list(bitune.mixer.parameters())
     if any(hasattr(parameter, "ds_id") for parameter in parameters):  # partitioned by DeepSpeed ZeRO-3

@@ -1,26 +1,41 @@
 """
-The names that differ between the transformers releases peft-bitune supports, decided here and nowhere else.
+Everything peft-bitune needs from other libraries beyond their public API, decided here and nowhere else.
 
-- transformers 5.24 renamed the KV cache argument of model forwards and of `generate` from `past_key_values` to
-  `cache` (the old name goes away in 5.40 for forwards, in 6.0 for `generate`), and the outputs' `past_key_values`
-  attribute to `cache`. Older releases know only `past_key_values`.
-- transformers 5.23 renamed gradient checkpointing to activation checkpointing: the `TrainingArguments`
-  `gradient_checkpointing` (and `_kwargs`) and `gradient_checkpointing_enable` became `activation_checkpointing*` (the
-  old names go away in 6.0).
+1. Names that differ between the transformers releases peft-bitune supports:
+   - transformers 5.24 renamed the KV cache argument of model forwards and of `generate` from `past_key_values` to
+     `cache` (the old name goes away in 5.40 for forwards, in 6.0 for `generate`), and the outputs' `past_key_values`
+     attribute to `cache`. Older releases know only `past_key_values`.
+   - transformers 5.23 renamed gradient checkpointing to activation checkpointing: the `TrainingArguments`
+     `gradient_checkpointing` (and `_kwargs`) and `gradient_checkpointing_enable` became `activation_checkpointing*`
+     (the old names go away in 6.0).
+2. Private attributes and methods of transformers, PEFT, torch and accelerate that Bitune must read or set because
+   no public interface does what it needs: routing PEFT's layers to one weight set, keeping caches in checkpointed
+   layers, transformers' own resolution of generation arguments, finding hooks around a module's forward, adding a
+   member to PEFT's closed `PeftType` enum. Each one has a test in tests/test_private_interfaces.py that fails with a
+   clear message when an upgrade moves it.
 
-Every call the project makes with one of these names goes through this module, so that it uses the current name where
-the installed transformers has it, and the old one on older releases. (A later clean-up gathers the project's other
-uses of private transformers and PEFT interfaces here too.)
+Every other module uses these through the functions here.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+from peft.tuners.tuners_utils import (
+    BaseTunerLayer,
+    _filter_state_dict_by_key_prefixes,
+    _get_tuner_state_dict_key_prefixes,
+)
+from peft.utils import PeftType
+from torch import nn
 from transformers import PreTrainedModel, TrainingArguments
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 OLD_CACHE_NAME = "past_key_values"
@@ -102,3 +117,167 @@ def enable_checkpointing(model: Any, **checkpoint_kwargs: Any) -> None:
 def checkpointing_hint() -> str:
     """How to turn on the non-reentrant checkpointing Bitune needs, in this release's names."""
     return f"`model.{CHECKPOINTING_ENABLE}({CHECKPOINTING_ENABLE_KWARGS}={{'use_reentrant': False}})`"
+
+
+# ---------------------------------------------------------------------------------------------------- transformers
+def uses_reentrant_checkpointing(layer: GradientCheckpointingLayer) -> bool:
+    """Whether the layer's checkpoint function is reentrant (transformers keeps it, a `functools.partial` of torch's
+    `checkpoint`, in `_gradient_checkpointing_func`; torch's default is reentrant)."""
+    function = getattr(layer, "_gradient_checkpointing_func", None)
+    keywords = getattr(function, "keywords", {}) or {}
+    return keywords.get("use_reentrant", True) is not False
+
+
+@contextmanager
+def checkpointed_layers_keep_caches(
+    layers: Sequence[GradientCheckpointingLayer], wrap_checkpoint: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Iterator[None]:
+    """
+    Within the block, checkpointed `layers` keep the cache they are given (transformers drops it unless a layer's
+    `_can_checkpoint_with_cache` is set) and checkpoint through `wrap_checkpoint(their checkpoint function)`. Both are
+    restored on exit.
+    """
+    saved = [(vars(layer).get("_can_checkpoint_with_cache"), layer._gradient_checkpointing_func) for layer in layers]
+    try:
+        for layer in layers:
+            layer._can_checkpoint_with_cache = True
+            layer._gradient_checkpointing_func = wrap_checkpoint(layer._gradient_checkpointing_func)
+        yield
+    finally:
+        for layer, (can_checkpoint, checkpoint_function) in zip(layers, saved):
+            if can_checkpoint is None:
+                del layer._can_checkpoint_with_cache
+            else:
+                layer._can_checkpoint_with_cache = can_checkpoint
+            layer._gradient_checkpointing_func = checkpoint_function
+
+
+def resolved_generation_config(model: PreTrainedModel, kwargs: dict[str, Any]) -> Any:
+    """The generation config `model.generate(**kwargs)` would use, resolved and validated by transformers' own code
+    (`_prepare_generation_config`), e.g. refusing `max_new_tokens=0`."""
+    others = {key: value for key, value in kwargs.items() if key != "generation_config"}
+    generation_config, _ = model._prepare_generation_config(kwargs.get("generation_config"), **others)
+    return generation_config
+
+
+def inferred_attention_mask(model: PreTrainedModel, input_ids: Any, generation_config: Any) -> Any:
+    """The attention mask `generate` infers when none is given (0 on `pad_token_id`, unless the pad token is also an
+    end-of-sequence token), by transformers' own code, with its warnings."""
+    generation_config = copy.deepcopy(generation_config)
+    model._prepare_special_tokens(
+        generation_config, kwargs_has_attention_mask=False, device=input_ids.device, batch_size=input_ids.shape[0]
+    )
+    return model._prepare_attention_mask_for_generation(input_ids, generation_config, {})
+
+
+def attention_implementation(model: PreTrainedModel) -> str:
+    """The attention implementation the model runs with (`config._attn_implementation`), e.g. "sdpa" or "eager"."""
+    return model.config._attn_implementation
+
+
+# transformers' hooks for `output_attentions`/`output_hidden_states`: idle unless those are asked for.
+_OUTPUT_CAPTURING_HOOKS = "transformers.utils.output_capturing"
+
+
+# ------------------------------------------------------------------------------------------------------------ PEFT
+def route_layers(layers: Sequence[BaseTunerLayer], adapter_names: list[str]) -> None:
+    """
+    Make `adapter_names` the active adapters of each tuner layer, without touching `requires_grad` (PEFT's
+    `set_adapter` freezes the others, and both weight sets must keep training). The one list is shared by all layers:
+    PEFT replaces a layer's list, never mutates it.
+    """
+    for layer in layers:
+        layer._active_adapter = adapter_names
+
+
+def routed_adapters(layer: BaseTunerLayer) -> list[str]:
+    """The active adapters of a tuner layer, as `route_layers` set them."""
+    return layer._active_adapter
+
+
+def add_peft_type(name: str) -> PeftType:
+    """
+    Add `name` to PEFT's `PeftType` enum (a `str` enum), the way the enum machinery builds its own members.
+
+    PEFT has no plugin discovery: `register_peft_method` only accepts names that are already members of the closed
+    enum, and PEFT and transformers call `peft_type.value`, so a plain string key is not enough.
+    """
+    if name in PeftType.__members__:
+        return PeftType[name]
+    member = str.__new__(PeftType, name)
+    member._name_ = name
+    member._value_ = name
+    member.__objclass__ = PeftType
+    member.__init__(name)
+    # Set the class attribute before the member maps: `EnumType.__setattr__` refuses to rebind names it knows.
+    setattr(PeftType, name, member)
+    PeftType._member_map_[name] = member
+    PeftType._value2member_map_[name] = member
+    PeftType._member_names_.append(name)
+    return member
+
+
+def tuner_state(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `state_dict` that live on the tuner and its layers, found structurally as PEFT's own saving
+    does (`_get_tuner_state_dict_key_prefixes`)."""
+    return _filter_state_dict_by_key_prefixes(state_dict, _get_tuner_state_dict_key_prefixes(model))
+
+
+def hub_kwargs(config_cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The Hub arguments (`revision`, `cache_dir`, `token`, ...) among `PeftConfig.from_pretrained`'s `kwargs`, split
+    off by PEFT's own `_split_kwargs`."""
+    hub_arguments, _, _ = config_cls._split_kwargs(kwargs)
+    return hub_arguments
+
+
+# The `BaseTuner` methods and attributes `BituneModel` and its checkpoint hooks override: PEFT calls them by these
+# names, so if one is renamed, the override is silently never called.
+OVERRIDDEN_TUNER_HOOKS = (
+    "inject_adapter",
+    "set_adapter",
+    "delete_adapter",
+    "set_requires_grad",
+    "enable_adapter_layers",
+    "disable_adapter_layers",
+    "_mark_only_adapters_as_trainable",
+    "_cast_adapter_dtype",
+    "_prepare_adapter_config",
+    "_check_target_module_exists",
+    "_create_and_replace",
+    "_check_merge_allowed",
+    "_get_adapter_state_dict",
+    "_remove_adapter_name_from_key",
+    "_remap_adapter_state_dict_for_load",
+    "_get_learnable_bias_state_dict",
+    "uses_shared_state",
+)
+
+
+# ------------------------------------------------------------------------------------------------ torch, accelerate
+def is_fsdp_managed(module: nn.Module) -> bool:
+    """Whether FSDP (1 or 2) manages `module`'s parameters (torch marks such modules `_is_fsdp_managed_module`).
+    Read from the instance dict: a missing attribute costs an exception in `nn.Module.__getattr__`."""
+    return bool(vars(module).get("_is_fsdp_managed_module", False))
+
+
+def forwards_are_hooked(modules: Sequence[nn.Module]) -> bool:
+    """Whether anything runs around the forwards of `modules`: forward hooks (FSDP2, DeepSpeed, the user's), global
+    forward hooks, accelerate hooks (`_hf_hook`: offloading, device maps), FSDP management. transformers' idle
+    output-capturing hooks do not count."""
+
+    def active(hooks: dict) -> bool:
+        return bool(hooks) and any(
+            getattr(hook, "__module__", None) != _OUTPUT_CAPTURING_HOOKS for hook in hooks.values()
+        )
+
+    module_globals = nn.modules.module
+    if active(getattr(module_globals, "_global_forward_hooks", {})) or active(
+        getattr(module_globals, "_global_forward_pre_hooks", {})
+    ):
+        return True
+    for module in modules:
+        if vars(module).get("_hf_hook") is not None or is_fsdp_managed(module):
+            return True
+        if active(module._forward_hooks) or active(module._forward_pre_hooks):
+            return True
+    return False

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from peft import LoraConfig, PeftConfig
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
 from peft.utils import PeftType, TaskType
 
+from .common import (
+    BITUNE_TYPE_NAME,
+    MULTI_TURN_MODES,
+    SECOND_PASS_ATTENTIONS,
+    MultiTurnMode,
+    SecondPassAttention,
+)
 from .config_files import BituneConfigFileMixin
-from .registration import BITUNE_TYPE_NAME
-
-SECOND_PASS_ATTENTIONS = ("bidirectional", "causal")
-MULTI_TURN_MODES = ("alternating", "history")
 
 # PEFT methods that cannot hold the two weight sets side by side in one model, with the reason a user needs.
 _REFUSED_METHODS = {
@@ -67,22 +70,27 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
 
     adapter_config: PeftConfig | dict | None = field(
         default=None,
-        metadata={"help": "The PEFT method used for both weight sets. Defaults to LoRA r=8, alpha=16, all linear layers."},
+        metadata={
+            "help": "The PEFT method used for both weight sets. Defaults to LoRA r=8, alpha=16, all linear layers."
+        },
     )
     mix_init: float = field(default=0.01, metadata={"help": "Initial value of every mixing scalar `w`."})
     mix_scale: float = field(default=0.01, metadata={"help": "The constant `s` in alpha = |w| / (|w| + s)."})
     shared_weights: bool = field(
         default=False, metadata={"help": "Ablation: one weight set (the causal one) serves both prompt passes."}
     )
-    second_pass_attention: Literal["bidirectional", "causal"] = field(
+    second_pass_attention: SecondPassAttention = field(
         default="bidirectional",
-        metadata={"help": "Mask of the second prompt pass; 'causal' is the paper's ablation.", "choices": list(SECOND_PASS_ATTENTIONS)},
+        metadata={"help": "Mask of the second prompt pass; 'causal' is the paper's ablation."},
     )
-    train_mixing: bool = field(default=True, metadata={"help": "Ablation: False freezes the mixing scalars."})
-    multi_turn: Literal["alternating", "history"] = field(
+    train_mixing: bool = field(
+        default=True, metadata={"help": "Ablation: False freezes the mixing scalars at `mix_init`."}
+    )
+    multi_turn: MultiTurnMode = field(
         default="alternating",
-        metadata={"help": "Multi-turn training: 'alternating' segments or whole 'history' per answer.",
-                  "choices": list(MULTI_TURN_MODES)},
+        metadata={
+            "help": "Training on rows with several instruction/answer segments: 'alternating' or whole 'history'."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -120,16 +128,18 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
             adapter_config = PEFT_TYPE_TO_CONFIG_MAPPING[peft_type](**adapter_config)
         if not isinstance(adapter_config, PeftConfig):
             raise TypeError(
-                f"`adapter_config` must be a PEFT config such as `LoraConfig(...)`, got {type(adapter_config).__name__}."
+                "`adapter_config` must be a PEFT config such as `LoraConfig(...)`, got "
+                f"{type(adapter_config).__name__}."
             )
-        peft_type = str(adapter_config.peft_type.value if hasattr(adapter_config.peft_type, "value") else adapter_config.peft_type)
+        peft_type = str(getattr(adapter_config.peft_type, "value", adapter_config.peft_type))
         if adapter_config.is_prompt_learning or adapter_config.is_adaption_prompt:
             raise ValueError(
                 f"`adapter_config` of type {peft_type} is a prompt-learning method: it adds virtual tokens instead of "
                 "weights on the layers, so it cannot give the two prompt passes different weights. Use a method that "
                 "adapts layers, e.g. LoRA, DoRA (`LoraConfig(use_dora=True)`) or IA3."
             )
-        if getattr(adapter_config, "modules_to_save", None) or getattr(adapter_config, "trainable_token_indices", None):
+        auxiliary = ("modules_to_save", "trainable_token_indices")
+        if any(getattr(adapter_config, name, None) for name in auxiliary):
             raise ValueError(
                 "`adapter_config` cannot use `modules_to_save` or `trainable_token_indices`: such modules are not "
                 "split into causal and bidirectional weight sets, and PEFT would leave them out of the checkpoint."

@@ -3,8 +3,8 @@
 - Reading refuses fields this version does not know. PEFT's own configs drop them with a warning (for forward
   compatibility), but a Bitune field changes how the adapter runs, so dropping one would silently run it differently.
 - Reading refuses an adapter whose weights exist only as `adapter_model.bin`: PEFT would unpickle it.
-- Writing refuses to finish next to an `adapter_model.bin` (`save_pretrained(safe_serialization=False)`), and writes the
-  model card (see `model_card.py`), since PEFT writes the config of every adapter it saves, each in its own folder.
+- Writing refuses to finish next to an `adapter_model.bin` (`save_pretrained(safe_serialization=False)`), and writes
+  the model card (see `model_card.py`), since PEFT writes the config of every adapter it saves, each in its own folder.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
 
+from . import compat
 from .hub import has_only_pickled_weights
 from .model_card import write_model_card
 
@@ -38,7 +39,7 @@ class BituneConfigFileMixin:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs: Any) -> Any:
         config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
-        hub_kwargs, _, _ = cls._split_kwargs(kwargs)
+        hub_kwargs = compat.hub_kwargs(cls, kwargs)
         if has_only_pickled_weights(str(pretrained_model_name_or_path), subfolder, **hub_kwargs):
             raise ValueError(
                 f"The Bitune adapter at '{pretrained_model_name_or_path}' has its weights only as {WEIGHTS_NAME}, a "

@@ -7,7 +7,6 @@ token runs causally, the new instruction minus its last token is read twice over
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,8 +16,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from . import compat
 from .caches import BituneCache, append_key_values, pass_cache, reading_pass_cache
-
-CAUSAL = "causal"
+from .common import CAUSAL, check_mask_shape, format_rows, max_positions, text_config
 
 
 class BituneGenerationMixin:
@@ -36,7 +34,7 @@ class BituneGenerationMixin:
             input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the prompts, left-padded.
             attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
         """
-        attention_mask = _check_prompts(input_ids, attention_mask, _max_positions(self.model))
+        attention_mask = _check_prompts(input_ids, attention_mask, max_positions(self.model))
         with _checkpointing_off(self._module_index().checkpoint_layers):
             return self._prefill_cache(input_ids, attention_mask)
 
@@ -46,10 +44,12 @@ class BituneGenerationMixin:
         cache.record_conversation(prompt_ids, prompt_mask)
         if prompt_ids.shape[1] == 0:
             return cache
-        stop_early = self._prompt_passes_may_stop_early()
-        mixed = self._read_twice(
-            lambda: pass_cache(len(cache.layers), record=True, stop_after_last_record=stop_early),
-            input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_for(prompt_mask),
+        passes = self._passes()
+        mixed = passes.read_twice(
+            lambda: pass_cache(len(cache.layers), record=True, stop_after_last_record=passes.stop_early),
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=positions_for(prompt_mask),
         )
         append_key_values(cache, *mixed)
         return cache
@@ -65,8 +65,8 @@ class BituneGenerationMixin:
         `past_key_values`; that name is accepted too.
 
         With `output_attentions=True`, the attentions of the first step cover only the last prompt token (query length
-        1, over the mixed cache), not the whole prompt as with the base model: the rest of the prompt was read by the two
-        prompt passes. `peft_bitune.visualize.attention_maps` returns the attention of those passes.
+        1, over the mixed cache), not the whole prompt as with the base model: the rest of the prompt was read by the
+        two prompt passes. `peft_bitune.visualize.attention_maps` returns the attention of those passes.
         """
         if self._adapters_disabled():
             cache = compat.pop_cache(kwargs)
@@ -91,9 +91,9 @@ class BituneGenerationMixin:
         expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         attention_mask = kwargs.get("attention_mask")
         if attention_mask is None:
-            attention_mask = _inferred_attention_mask(self.model, input_ids, generation_config)
+            attention_mask = compat.inferred_attention_mask(self.model, input_ids, generation_config)
         if cache is None:
-            attention_mask = _check_prompts(input_ids, attention_mask, _max_positions(self.model))
+            attention_mask = _check_prompts(input_ids, attention_mask, max_positions(self.model))
             with torch.no_grad():
                 cache = self._prefill_cache(input_ids, attention_mask)
             if expand > 1:
@@ -159,15 +159,17 @@ class BituneGenerationMixin:
                 "has padding between real tokens (rows whose turns have different lengths). Continue such "
                 "conversations one row at a time, or pad the new instructions to equal lengths."
             )
-        max_positions = _max_positions(self.model)
-        if max_positions is not None and int(attention_mask.sum(dim=1).max()) > max_positions:
+        positions = max_positions(self.model)
+        if positions is not None and int(attention_mask.sum(dim=1).max()) > positions:
             raise ValueError(
-                f"The conversation is longer than the model's {max_positions} positions (nothing is truncated "
+                f"The conversation is longer than the model's {positions} positions (nothing is truncated "
                 "silently); start a new conversation or shorten it."
             )
         return attention_mask
 
-    def _continue_conversation(self, cache: BituneCache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    def _continue_conversation(
+        self, cache: BituneCache, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> None:
         """Bring `cache` to the new instruction's last token: the previous answer's tail causally, then the new
         instruction minus its last token read twice over the whole cache, mixed and appended."""
         positions = positions_for(attention_mask)
@@ -183,9 +185,9 @@ class BituneGenerationMixin:
                 )
         if width - 1 == answered:
             return  # a one-token instruction adds nothing to mix
-        stop_early = self._prompt_passes_may_stop_early()
-        mixed = self._read_twice(
-            lambda: reading_pass_cache(cache, stop_early),
+        passes = self._passes()
+        mixed = passes.read_twice(
+            lambda: reading_pass_cache(cache, passes.stop_early),
             input_ids=input_ids[:, answered : width - 1],
             attention_mask=attention_mask[:, : width - 1],
             position_ids=positions[:, answered : width - 1],
@@ -211,10 +213,7 @@ def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     """The given attention mask, checked against `input_ids`, or all ones when none is given."""
     if attention_mask is None:
         return torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
-        )
+    check_mask_shape(input_ids, attention_mask)
     return attention_mask
 
 
@@ -230,16 +229,6 @@ def _has_holes(attention_mask: torch.Tensor) -> bool:
     return bool((valid != expected).any())
 
 
-def text_config(model: Any) -> Any:
-    """The text part of a model's config (the config itself for a text-only model)."""
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _max_positions(model: Any) -> int | None:
-    return getattr(text_config(model), "max_position_embeddings", None)
-
-
 def _check_not_empty(input_ids: torch.Tensor) -> None:
     if input_ids.dim() != 2 or 0 in input_ids.shape:
         raise ValueError(
@@ -248,17 +237,21 @@ def _check_not_empty(input_ids: torch.Tensor) -> None:
         )
 
 
-def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_positions: int | None) -> torch.Tensor:
+def _check_prompts(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_positions: int | None
+) -> torch.Tensor:
     """Refuse empty, right-padded, holed or over-long prompts before any compute; returns the attention mask."""
     _check_not_empty(input_ids)
     attention_mask = attention_mask_for(input_ids, attention_mask)
     valid = attention_mask.bool()
     lengths = valid.sum(dim=1)
     if bool((lengths == 0).any()):
-        rows = (lengths == 0).nonzero().flatten().tolist()
-        raise ValueError(f"Prompt rows {rows} are empty (attention_mask all 0); every prompt needs at least one token.")
+        rows = format_rows((lengths == 0).nonzero().flatten().tolist())
+        raise ValueError(
+            f"Prompt rows {rows} are empty (attention_mask all 0); every prompt needs at least one token."
+        )
     if not bool(valid[:, -1].all()):
-        rows = (~valid[:, -1]).nonzero().flatten().tolist()
+        rows = format_rows((~valid[:, -1]).nonzero().flatten().tolist())
         raise ValueError(
             f"Prompt rows {rows} are right-padded. Bitune generation continues every prompt from its last token, so "
             "prompts must be left-padded: set `tokenizer.padding_side = 'left'`."
@@ -278,9 +271,7 @@ def _generation_config(model: Any, kwargs: dict[str, Any]) -> Any:
     The generation config `generate` will use, resolved and validated by transformers' own code (e.g. it refuses
     `max_new_tokens=0`), so that bad arguments fail before the prompt passes run. Refuses `use_cache=False`.
     """
-    generation_config, _ = model._prepare_generation_config(
-        kwargs.get("generation_config"), **{k: v for k, v in kwargs.items() if k != "generation_config"}
-    )
+    generation_config = compat.resolved_generation_config(model, kwargs)
     if generation_config.use_cache is False:
         raise ValueError(
             "`use_cache=False` is not supported by Bitune generation: the prompt is read twice and the two key/value "
@@ -289,16 +280,3 @@ def _generation_config(model: Any, kwargs: dict[str, Any]) -> Any:
             "(or set `generation_config.use_cache = True`); decoding then costs what it costs for the base model."
         )
     return generation_config
-
-
-def _inferred_attention_mask(model: Any, input_ids: torch.Tensor, generation_config: Any) -> torch.Tensor:
-    """
-    The attention mask transformers' `generate` infers when none is given: 0 on `pad_token_id`, unless the pad token
-    is also an end-of-sequence token (then all ones, with transformers' warning for a batch). Uses its own code, so
-    the rules and warnings are the same.
-    """
-    generation_config = copy.deepcopy(generation_config)
-    model._prepare_special_tokens(
-        generation_config, kwargs_has_attention_mask=False, device=input_ids.device, batch_size=input_ids.shape[0]
-    )
-    return model._prepare_attention_mask_for_generation(input_ids, generation_config, {})

@@ -16,6 +16,7 @@ import huggingface_hub
 from huggingface_hub import CommitInfo, HfApi, file_exists, try_to_load_from_cache
 from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
 
+from .common import is_bitune_type
 from .model_card import write_model_card
 
 
@@ -49,10 +50,8 @@ def push_to_hub(
     Returns:
         The `huggingface_hub.CommitInfo` of the upload.
     """
-    from .config import BituneConfig
-
     configs = getattr(model, "peft_config", {})
-    if not configs or not all(isinstance(config, BituneConfig) for config in configs.values()):
+    if not configs or not all(is_bitune_type(getattr(config, "peft_type", None)) for config in configs.values()):
         raise TypeError(f"`push_to_hub` pushes a PeftModel with Bitune adapters, got a {type(model).__name__}.")
     api = api or HfApi()
     with tempfile.TemporaryDirectory() as folder:

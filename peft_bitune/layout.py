@@ -8,21 +8,22 @@ at once:
 - the first prefill chunk is left-padded, so every row's instruction ends at the same column;
 - later chunks are right-padded, so each row continues right where its cache ends.
 
-The caller keeps its cache left-aligned (real tokens at the right end, see `compact`), so cache plus chunk always gives
-each row one contiguous run of real tokens: all that transformers' mask machinery (padding, sliding windows) needs.
-Positions are the ordinary 0..n-1 of each row.
+The passes keep their cache left-padded (real tokens at the right end, see `passes.TrainingCache`), so cache plus chunk
+always gives each row one contiguous run of real tokens: all that transformers' mask machinery (padding, sliding
+windows) needs. Positions are the ordinary 0..n-1 of each row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-IGNORE_INDEX = -100
+from .common import IGNORE_INDEX, MultiTurnMode, format_rows
+
 Alignment = Literal["left", "right"]
-MultiTurnMode = Literal["alternating", "history"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class Chunk:
         chunk_labels = None
         if labels is not None:
             has_target = mask & (offsets + 1 < lengths[:, None])
-            chunk_labels = labels.gather(1, (raw_index + 1).clamp(0, seq_len - 1)).masked_fill(~has_target, IGNORE_INDEX)
+            targets = labels.gather(1, (raw_index + 1).clamp(0, seq_len - 1))
+            chunk_labels = targets.masked_fill(~has_target, IGNORE_INDEX)
         return cls(index=index, mask=mask.long(), positions=positions, labels=chunk_labels)
 
     def gather(self, sequence: torch.Tensor) -> torch.Tensor:
@@ -76,6 +78,13 @@ class Chunk:
         if sequence.dim() == 2:
             return sequence.gather(1, self.index)
         return sequence.gather(1, self.index[:, :, None].expand(-1, -1, sequence.shape[-1]))
+
+    def pass_inputs(self, sequence: torch.Tensor, past_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The model inputs of the pass that runs this chunk of `sequence` after a cache whose mask is `past_mask`
+        (`None` for no cache): `input_ids` or `inputs_embeds` (as `sequence` is), `attention_mask`, `position_ids`."""
+        tokens = "input_ids" if sequence.dim() == 2 else "inputs_embeds"
+        attention_mask = self.mask if past_mask is None else torch.cat([past_mask, self.mask], dim=1)
+        return {tokens: self.gather(sequence), "attention_mask": attention_mask, "position_ids": self.positions}
 
 
 @dataclass(frozen=True)
@@ -105,7 +114,7 @@ class ConversationLayout:
         labels: torch.Tensor | None,
         prompt_mask: torch.Tensor | None,
         device: torch.device,
-        mode: MultiTurnMode = "alternating",
+        mode: MultiTurnMode,
     ) -> ConversationLayout:
         """Validate the inputs and derive the turns; raises `ValueError` on input Bitune cannot train on."""
         batch_size, seq_len = sequence_shape[0], sequence_shape[1]
@@ -146,6 +155,18 @@ class ConversationLayout:
         else:
             turns = _alternating_turns(row_starts, segment_starts, segment_lengths, seq_len, effective_labels)
         return cls(turns=turns, mode=mode)
+
+    def runs(self, sequence: torch.Tensor) -> Iterator[tuple[list[Turn], torch.Tensor]]:
+        """
+        The runs of turns over one growing cache each, with the rows of `sequence` they read, in the order of
+        `turns`: in alternating mode one run of all turns over all rows; in history mode one run per turn, over the
+        rows that have it (each answer reads everything before it as one instruction).
+        """
+        if self.mode == "history":
+            for turn in self.turns:
+                yield [turn], sequence[turn.rows]
+        else:
+            yield self.turns, sequence
 
     def scatter_answers(self, answer_values: list[torch.Tensor], batch_size: int, seq_len: int) -> torch.Tensor:
         """Put each turn's per-answer-position values (rows, width, ...) back at their input positions of a zero
@@ -189,7 +210,11 @@ def _segments(valid: torch.Tensor, is_answer: torch.Tensor) -> tuple[torch.Tenso
     return starts[:, :num_segments], lengths[:, :num_segments]
 
 
-def _turn_bounds(segment_starts, segment_lengths, turn):
+def _turn_bounds(
+    segment_starts: torch.Tensor, segment_lengths: torch.Tensor, turn: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, for turn number `turn`: whether the row has it, its instruction's start and length, the position of
+    its last instruction token, and its answer's length."""
     instruction_start = segment_starts[:, 2 * turn]
     instruction_length = segment_lengths[:, 2 * turn]
     answer_length = segment_lengths[:, 2 * turn + 1]
@@ -198,7 +223,14 @@ def _turn_bounds(segment_starts, segment_lengths, turn):
     return has_turn, instruction_start, instruction_length, last_instruction, answer_length
 
 
-def _alternating_turns(row_starts, segment_starts, segment_lengths, seq_len, labels) -> list[Turn]:
+def _alternating_turns(
+    row_starts: torch.Tensor,
+    segment_starts: torch.Tensor,
+    segment_lengths: torch.Tensor,
+    seq_len: int,
+    labels: torch.Tensor | None,
+) -> list[Turn]:
+    """One turn per instruction/answer pair; each prefill chunk continues the cache of the turns before it."""
     turns = []
     for turn in range(segment_starts.shape[1] // 2):
         has_turn, start, length, last, answer_length = _turn_bounds(segment_starts, segment_lengths, turn)
@@ -212,7 +244,15 @@ def _alternating_turns(row_starts, segment_starts, segment_lengths, seq_len, lab
     return turns
 
 
-def _history_turns(row_starts, segment_starts, segment_lengths, seq_len, labels) -> list[Turn]:
+def _history_turns(
+    row_starts: torch.Tensor,
+    segment_starts: torch.Tensor,
+    segment_lengths: torch.Tensor,
+    seq_len: int,
+    labels: torch.Tensor | None,
+) -> list[Turn]:
+    """One turn per answer, on the rows that have it; its prefill chunk is everything before the answer's last
+    instruction token."""
     turns = []
     for turn in range(segment_starts.shape[1] // 2):
         has_turn, _, _, last, answer_length = _turn_bounds(segment_starts, segment_lengths, turn)
@@ -227,22 +267,8 @@ def _history_turns(row_starts, segment_starts, segment_lengths, seq_len, labels)
     return turns
 
 
-def compact_left(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """
-    Move each row's real positions to the right end (padding first, order kept) and drop columns that are padding
-    in every row. `mask` is (rows, seq); each tensor is (rows, heads, seq, head_dim). Returns the mask, then tensors.
-    """
-    order = torch.sort(mask.int(), dim=1, stable=True).indices
-    drop = int((mask == 0).sum(dim=1).min())
-    order = order[:, drop:]
-    compacted = [mask.gather(1, order)]
-    for tensor in tensors:
-        index = order[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
-        compacted.append(tensor.gather(2, index))
-    return tuple(compacted)
-
-
 def _run_mask(starts: torch.Tensor, lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """True on positions `starts[i] .. starts[i] + lengths[i] - 1` of each row i."""
     positions = torch.arange(seq_len, device=starts.device)[None, :]
     return (positions >= starts[:, None]) & (positions < (starts + lengths)[:, None])
 
@@ -258,9 +284,8 @@ def _contiguous_runs(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_rows(bad: torch.Tensor, message: str) -> None:
+    """Raise `message` naming the `bad` rows (a per-row or per-position boolean tensor), if there are any."""
     if bad.dim() > 1:
         bad = bad.any(dim=1)
     if bool(bad.any()):
-        rows = bad.nonzero().flatten().tolist()
-        shown = ", ".join(map(str, rows[:8])) + (" ..." if len(rows) > 8 else "")
-        raise ValueError(message.format(rows=f"[{shown}]") + ".")
+        raise ValueError(message.format(rows=format_rows(bad.nonzero().flatten().tolist())) + ".")

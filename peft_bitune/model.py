@@ -1,42 +1,48 @@
-"""`BituneModel`: the PEFT tuner that reads the prompt twice, mixes the two caches and trains on the answer."""
+"""`BituneModel`: the PEFT tuner of Bitune adapters, i.e. PEFT's bookkeeping around the passes of `passes.py`.
+
+It creates the two weight sets of each adapter in the inner PEFT method and the mixing scalars, routes the layers to
+one weight set per pass, keeps the right weights trainable, refuses what a Bitune adapter cannot do (merging,
+weighted combination), checks the training forward's input before any compute, and hands it to `BitunePasses`.
+Saving and loading are in `persistence.py`, generation in `generation.py`.
+"""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
-from torch.nn import functional as F
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import compat
-from .caches import PromptPassComplete, mix_recorded, pass_cache, recorded_key_values
+from .common import (
+    BIDIRECTIONAL,
+    BITUNE_PREFIX,
+    CAUSAL,
+    INNER_SEPARATOR,
+    MIXERS_ATTRIBUTE,
+    WEIGHT_SETS,
+    WeightSet,
+    inner_adapter_name,
+    max_positions,
+    num_layers,
+    text_config,
+)
 from .config import BituneConfig
-from .generation import BituneGenerationMixin, _max_positions, text_config
-from .layout import IGNORE_INDEX, Chunk, ConversationLayout, Turn, compact_left
+from .generation import BituneGenerationMixin
+from .layout import ConversationLayout
 from .mixing import BituneKVMixer
+from .passes import BitunePasses, answer_loss, decoder_of
 from .persistence import BituneCheckpointMixin
-from .registration import BITUNE_PREFIX
-from .sharding import LayerPath, check_sharding, unshard_before_backward
-
-WeightSet = Literal["causal", "bidirectional"]
-CAUSAL: WeightSet = "causal"
-BIDIRECTIONAL: WeightSet = "bidirectional"
-# Inner adapter names are "<bitune adapter>__<weight set>"; the separator cannot appear in a weight set name.
-_INNER_SEPARATOR = "__"
-
-
-def inner_adapter_name(adapter_name: str, weight_set: WeightSet) -> str:
-    """Name, inside the inner PEFT method, of one weight set of the Bitune adapter `adapter_name`."""
-    return f"{adapter_name}{_INNER_SEPARATOR}{weight_set}"
+from .sharding import LayerPath, check_sharding
 
 
 class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
@@ -44,12 +50,9 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
     Bitune (bidirectional instruction tuning) on top of any PEFT method that supports several adapters.
 
     The inner method (LoRA by default) holds two weight sets per Bitune adapter, `"<name>__causal"` and
-    `"<name>__bidirectional"`; the tuner itself holds the per-layer mixing scalars. A training forward:
-
-    1. reads the instruction minus its last token with the bidirectional weights and a bidirectional mask,
-    2. reads the same tokens with the causal weights and the causal mask,
-    3. mixes the two key/value caches per layer (`BituneKVMixer`),
-    4. runs the last instruction token and the answer causally, with the causal weights, over the mixed cache.
+    `"<name>__bidirectional"`; the tuner itself holds the per-layer mixing scalars. A training forward reads the
+    instruction twice (bidirectional and causal weights), mixes the two key/value caches and runs the answer causally
+    over the mix: see `passes.py`.
 
     Passes are routed to their weights through the layers' active adapter, inside a context manager that restores it;
     `requires_grad` is never touched there, so both weight sets always train.
@@ -78,8 +81,8 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         if not isinstance(config, BituneConfig):
             raise TypeError(f"BituneModel holds only Bitune adapters; `{adapter_name}` has a {type(config).__name__}.")
         _check_model_supported(model)
-        if _INNER_SEPARATOR in adapter_name:
-            raise ValueError(f"Bitune adapter names cannot contain '{_INNER_SEPARATOR}', got `{adapter_name}`.")
+        if INNER_SEPARATOR in adapter_name:
+            raise ValueError(f"Bitune adapter names cannot contain '{INNER_SEPARATOR}', got `{adapter_name}`.")
         inner = self.__dict__.get("_inner_tuner")
         if inner is not None and type(inner) is not PEFT_TYPE_TO_TUNER_MAPPING[config.adapter_config.peft_type]:
             raise ValueError(
@@ -101,17 +104,17 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                     model, name, autocast_adapter_dtype=autocast_adapter_dtype, low_cpu_mem_usage=low_cpu_mem_usage
                 )
         self._forget_module_index()
-        if "bitune_mixers" not in self._modules:
-            self.bitune_mixers = nn.ModuleDict()
+        if MIXERS_ATTRIBUTE not in self._modules:
+            self.add_module(MIXERS_ATTRIBUTE, nn.ModuleDict())
         device = next(p.device for p in model.parameters())
-        self.bitune_mixers[adapter_name] = BituneKVMixer(_num_layers(model), config.mix_init, config.mix_scale).to(
+        self.bitune_mixers[adapter_name] = BituneKVMixer(num_layers(model), config.mix_init, config.mix_scale).to(
             device
         )
         self._route_layers_to(self._inner_names(self.active_adapter)[CAUSAL])
         self._apply_trainable_state()
 
     def _weight_sets(self, config: BituneConfig) -> tuple[WeightSet, ...]:
-        return (CAUSAL,) if config.shared_weights else (CAUSAL, BIDIRECTIONAL)
+        return (CAUSAL,) if config.shared_weights else WEIGHT_SETS
 
     def _inner_names(self, adapter_name: str) -> dict[WeightSet, str]:
         """Inner adapter used by each pass; with shared weights both passes use the causal set."""
@@ -121,7 +124,8 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         return {CAUSAL: causal, BIDIRECTIONAL: bidirectional}
 
     def _apply_trainable_state(self) -> None:
-        """Only the active adapter trains (as with PEFT's `set_adapter`): both its weight sets and its mixing scalars."""
+        """Only the active adapter trains (as with PEFT's `set_adapter`): both its weight sets and its mixing
+        scalars."""
         for adapter_name, config in self.peft_config.items():
             trainable = adapter_name == self.active_adapter and not config.inference_mode
             names = set(self._inner_names(adapter_name).values())
@@ -149,27 +153,24 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
 
     # ------------------------------------------------------------------ routing
     def _route_layers_to(self, inner_name: str) -> None:
-        for layer in self._tuner_layers():
-            layer._active_adapter = [inner_name]
+        compat.route_layers(self._tuner_layers(), [inner_name])
 
     @contextmanager
     def _routed_to(self, inner_name: str) -> Iterator[None]:
         layers = self._tuner_layers()
-        previous = [layer._active_adapter for layer in layers]
-        routed = [inner_name]  # one list shared by all layers: PEFT replaces it, never mutates it
+        previous = [compat.routed_adapters(layer) for layer in layers]
         try:
-            for layer in layers:
-                layer._active_adapter = routed
+            compat.route_layers(layers, [inner_name])
             yield
         finally:
             for layer, active in zip(layers, previous):
-                layer._active_adapter = active
+                compat.route_layers([layer], active)
 
     @contextmanager
     def weights(self, weight_set: WeightSet) -> Iterator[None]:
         """Run the model with one weight set of the active adapter; restores the previous routing on exit."""
-        if weight_set not in (CAUSAL, BIDIRECTIONAL):
-            raise ValueError(f"`weight_set` must be 'causal' or 'bidirectional', got {weight_set!r}.")
+        if weight_set not in WEIGHT_SETS:
+            raise ValueError(f"`weight_set` must be one of {WEIGHT_SETS}, got {weight_set!r}.")
         with self._routed_to(self._inner_names(self.active_adapter)[weight_set]):
             yield
 
@@ -187,28 +188,14 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         if not checkpointing:
             yield
             return
-        for layer in checkpointing:
-            keywords = getattr(getattr(layer, "_gradient_checkpointing_func", None), "keywords", {}) or {}
-            if keywords.get("use_reentrant", True) is not False:
-                raise ValueError(
-                    "Bitune needs non-reentrant gradient checkpointing (reentrant checkpointing drops the gradients "
-                    "of the key/value projections that flow through the mixed cache). Enable it with "
-                    f"{compat.checkpointing_hint()}."
-                )
-        saved = [(layer.__dict__.get("_can_checkpoint_with_cache"), layer._gradient_checkpointing_func)
-                 for layer in checkpointing]
-        try:
-            for layer in checkpointing:
-                layer._can_checkpoint_with_cache = True
-                layer._gradient_checkpointing_func = self._recompute_with_same_weights(layer._gradient_checkpointing_func)
+        if any(compat.uses_reentrant_checkpointing(layer) for layer in checkpointing):
+            raise ValueError(
+                "Bitune needs non-reentrant gradient checkpointing (reentrant checkpointing drops the gradients "
+                "of the key/value projections that flow through the mixed cache). Enable it with "
+                f"{compat.checkpointing_hint()}."
+            )
+        with compat.checkpointed_layers_keep_caches(checkpointing, self._recompute_with_same_weights):
             yield
-        finally:
-            for layer, (can_checkpoint, checkpoint_func) in zip(checkpointing, saved):
-                if can_checkpoint is None:
-                    del layer._can_checkpoint_with_cache
-                else:
-                    layer._can_checkpoint_with_cache = can_checkpoint
-                layer._gradient_checkpointing_func = checkpoint_func
 
     def _prompt_passes_may_stop_early(self) -> bool:
         """
@@ -220,7 +207,9 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         those of the earlier layers, which finish): accelerate (offloading, device maps), FSDP, DeepSpeed ZeRO-3 or the
         user's own hooks. Only those modules are checked: a walk of the whole model costs milliseconds on deep models.
         """
-        return not self._checkpointing_layers() and not _forwards_are_hooked(self._module_index().early_exit_path)
+        if self._checkpointing_layers():
+            return False
+        return not compat.forwards_are_hooked(self._module_index().early_exit_path)
 
     def _checkpointing_layers(self) -> list[GradientCheckpointingLayer]:
         """The layers that will checkpoint in this forward (checkpointing enabled, training mode)."""
@@ -228,9 +217,11 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
 
     def _recompute_with_same_weights(self, checkpoint_func: Any) -> Any:
         def checkpoint_in_pass(function: Any, *args: Any, **kwargs: Any) -> Any:
-            routed = self._tuner_layers()[0]._active_adapter[0]
+            routed = compat.routed_adapters(self._tuner_layers()[0])[0]
             if "context_fn" in kwargs:
-                raise ValueError("Bitune sets the checkpoint `context_fn` itself; remove it from the checkpoint kwargs.")
+                raise ValueError(
+                    "Bitune sets the checkpoint `context_fn` itself; remove it from the checkpoint kwargs."
+                )
             return checkpoint_func(
                 function, *args, context_fn=lambda: (nullcontext(), self._routed_to(routed)), **kwargs
             )
@@ -345,9 +336,10 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         """Refused: see the message. (Without this, PEFT's lookup falls through to the base model's AttributeError.)"""
         raise ValueError(
             "Bitune adapters cannot be combined with `add_weighted_adapter`: each holds two weight sets used for "
-            "different tokens (the bidirectional set only while reading the prompt) and mixing scalars trained together "
-            "with them, and a weighted sum of two adapters' weight sets and scalars is not an adapter either was "
-            "trained as. Switch between adapters with `set_adapter`, or train one Bitune adapter on the combined data."
+            "different tokens (the bidirectional set only while reading the prompt) and mixing scalars trained "
+            "together with them, and a weighted sum of two adapters' weight sets and scalars is not an adapter "
+            "either was trained as. Switch between adapters with `set_adapter`, or train one Bitune adapter on the "
+            "combined data."
         )
 
     # ------------------------------------------------------------------ forward
@@ -366,19 +358,21 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         The Bitune training forward.
 
         Args:
-            input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): instruction then answer, padded left or right.
+            input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): instruction then answer, padded left or
+                right.
             attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
-            inputs_embeds (`torch.FloatTensor` of shape (batch_size, seq_len, hidden_size), *optional*): instead of ids.
-            labels (`torch.LongTensor` of shape (batch_size, seq_len), *optional*): targets aligned with the input, -100
-                where there is no loss. Without `prompt_mask`, the instruction is the unsupervised tokens before the
-                first supervised one.
-            prompt_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on instruction tokens. When given,
-                labels on instruction tokens are not used: the loss is on answer tokens only.
+            inputs_embeds (`torch.FloatTensor` of shape (batch_size, seq_len, hidden_size), *optional*): instead of
+                ids.
+            labels (`torch.LongTensor` of shape (batch_size, seq_len), *optional*): targets aligned with the input,
+                -100 where there is no loss. Without `prompt_mask`, the instruction is the unsupervised tokens before
+                the first supervised one.
+            prompt_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on instruction tokens. When
+                given, labels on instruction tokens are not used: the loss is on answer tokens only.
             cache (`Cache`, *optional*): continue decoding from a cache (e.g. from `prefill`); the input is then run
                 causally with the causal weights, exactly like a decoding step of `generate`. `past_key_values`, its
                 name before transformers 5.24, is accepted too.
-            num_items_in_batch (`int`, *optional*): the number of supervised tokens the loss is averaged over (passed by
-                `Trainer` under gradient accumulation); defaults to this batch's count.
+            num_items_in_batch (`int`, *optional*): the number of supervised tokens the loss is averaged over (passed
+                by `Trainer` under gradient accumulation); defaults to this batch's count.
             kwargs: other arguments of the model's forward. The three passes cover different parts of each row, so
                 none is handed on: `position_ids` are accepted when they are the ordinary positions every pass uses
                 anyway (0, 1, ... over each row's real tokens), `logits_to_keep` when 0; anything else (e.g. packed
@@ -429,121 +423,34 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                 f"The batch is empty (input of shape {tuple(sequence.shape)}): give at least one row of at least one "
                 "token."
             )
-        _check_extra_forward_arguments(kwargs, sequence.shape[:2], attention_mask, _max_positions(self.model))
+        _check_extra_forward_arguments(kwargs, sequence.shape[:2], attention_mask, max_positions(self.model))
         layout = ConversationLayout.from_inputs(
-            sequence.shape, attention_mask, labels, prompt_mask, device=sequence.device,
+            sequence.shape,
+            attention_mask,
+            labels,
+            prompt_mask,
+            device=sequence.device,
             mode=self.peft_config[self.active_adapter].multi_turn,
         )
-        is_embeds = input_ids is None
-        check_sharding(
-            self._module_index().decoder_layer_paths, _num_layers(self.model), self.bitune_mixers[self.active_adapter]
-        )
-        stop_early = self._prompt_passes_may_stop_early()
+        check_sharding(self._module_index().decoder_layer_paths, num_layers(self.model), self.mixer)
         with self._checkpointing_keeps_caches():
-            if layout.mode == "history":
-                answer_logits = [self._run_turns([turn], sequence[turn.rows], is_embeds, stop_early)[0]
-                                 for turn in layout.turns]
-            else:
-                answer_logits = self._run_turns(layout.turns, sequence, is_embeds, stop_early)
+            answer_logits = self._passes().run_layout(layout, sequence)
         loss = None
         if labels is not None:
-            loss = _answer_loss(answer_logits, [turn.answer.labels for turn in layout.turns], num_items_in_batch)
+            loss = answer_loss(answer_logits, [turn.answer.labels for turn in layout.turns], num_items_in_batch)
         logits = layout.scatter_answers(answer_logits, sequence.shape[0], sequence.shape[1])
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    def _run_turns(
-        self, turns: list[Turn], sequence: torch.Tensor, is_embeds: bool, stop_early: bool
-    ) -> list[torch.Tensor]:
-        """
-        Run instruction/answer turns in order over one growing cache; returns each turn's answer logits
-        (rows, width, vocab).
-
-        Per turn: both prompt passes over x_1..x_{m-1} on top of the cache so far, their mix appended to the cache;
-        then x_m and the answer causally, their causal keys/values appended for the next turn. The cache is kept
-        left-aligned (see `compact_left`) so that every pass sees one contiguous run of real tokens per row.
-        """
-        cache: _TrainingCache | None = None
-        logits = []
-        for number, turn in enumerate(turns):
-            is_last = number == len(turns) - 1
-            if turn.prefill.width > 0:
-                keys, values = self._mixed_prefill(turn.prefill, sequence, cache, is_embeds, stop_early)
-                cache = _TrainingCache.extend(cache, keys, values, turn.prefill.mask)
-            turn_logits, recorded = self._answer_pass(turn.answer, sequence, cache, is_embeds, record=not is_last)
-            logits.append(turn_logits)
-            if not is_last:
-                cache = _TrainingCache.extend(cache, *recorded, turn.answer.mask)
-        return logits
-
-    def _sequence_kwargs(self, tokens: torch.Tensor, is_embeds: bool) -> dict[str, torch.Tensor]:
-        return {"inputs_embeds": tokens} if is_embeds else {"input_ids": tokens}
-
-    def _mixed_prefill(
-        self, chunk: Chunk, sequence: torch.Tensor, cache: _TrainingCache | None, is_embeds: bool, stop_early: bool
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Steps 1-3 for one instruction segment: both prompt passes over its chunk (ended at the last layer's
-        keys/values if `stop_early`), then the per-layer mix."""
-        return self._read_twice(
-            lambda: _pass_cache(cache, self.model, record=True, stop_after_last_record=stop_early),
-            attention_mask=_pass_attention_mask(cache, chunk),
-            position_ids=chunk.positions,
-            **self._sequence_kwargs(chunk.gather(sequence), is_embeds),
+    def _passes(self) -> BitunePasses:
+        """The passes of a forward of the active adapter, as the model is wrapped now."""
+        return BitunePasses(
+            model=self.model,
+            weights=self.weights,
+            mixer=self.mixer,
+            second_pass_attention=self.peft_config[self.active_adapter].second_pass_attention,
+            stop_early=self._prompt_passes_may_stop_early(),
+            decoder_layer_paths=self._module_index().decoder_layer_paths,
         )
-
-    def _read_twice(
-        self, recording_cache: Callable[[], Cache], **inputs: torch.Tensor
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Steps 1-3, for training and generation alike: the bidirectional then the causal prompt pass over `inputs`,
-        each recording into a fresh `recording_cache()`; returns the per-layer mix (keys, values) of the two records."""
-        recorded = {}
-        for weight_set in (BIDIRECTIONAL, CAUSAL):
-            recorded[weight_set] = recording_cache()
-            self._prompt_pass(weight_set, recorded[weight_set], **inputs)
-            self._gather_shards_for_recorded(recorded[weight_set])
-        return mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer)
-
-    def _gather_shards_for_recorded(self, cache: Cache) -> None:
-        """Under FSDP2, the keys/values a prompt pass recorded leave each decoder layer through the cache, not through
-        the layer's output (which the last layer's prompt pass never uses): have their gradient gather the layer's
-        parameters first (see `peft_bitune.sharding`)."""
-        paths = self._module_index().decoder_layer_paths
-        if not torch.is_grad_enabled() or len(paths) != len(cache.layers):
-            return  # nothing to gather for, or no one-to-one map from cache to decoder layers (`check_sharding`)
-        for path, layer in zip(paths, cache.layers):
-            if layer.recorded_keys is not None:
-                unshard_before_backward((layer.recorded_keys, layer.recorded_values), path.fsdp_unit())
-
-    def _prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: torch.Tensor) -> None:
-        """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used; a
-        cache that stops the pass after its last layer's keys/values ends it there)."""
-        is_causal = weight_set == CAUSAL or self.peft_config[self.active_adapter].second_pass_attention == CAUSAL
-        with self.weights(weight_set):
-            try:
-                decoder = _decoder(self.model)
-                decoder(**compat.with_cache(decoder, cache), use_cache=False, is_causal=is_causal, **inputs)
-            except PromptPassComplete:
-                pass
-
-    def _answer_pass(
-        self,
-        chunk: Chunk,
-        sequence: torch.Tensor,
-        cache: _TrainingCache | None,
-        is_embeds: bool,
-        record: bool,
-    ) -> tuple[torch.Tensor, tuple[list[torch.Tensor], list[torch.Tensor]] | None]:
-        """Step 4: x_m and the answer, causal weights, over the cache. Returns logits and, if `record`, the chunk's
-        causal keys/values."""
-        pass_cache = _pass_cache(cache, self.model, record=record)
-        with self.weights(CAUSAL):
-            output = self.model(
-                attention_mask=_pass_attention_mask(cache, chunk),
-                position_ids=chunk.positions,
-                **compat.with_cache(self.model, pass_cache),
-                use_cache=False,
-                **self._sequence_kwargs(chunk.gather(sequence), is_embeds),
-            )
-        return output.logits, (recorded_key_values(pass_cache) if record else None)
 
 
 # Arguments of a transformers forward that the Bitune training forward cannot hand to its passes, and why.
@@ -608,27 +515,6 @@ def _check_ordinary_positions(position_ids: torch.Tensor, valid: torch.Tensor) -
         )
 
 
-def _answer_loss(
-    logits: list[torch.Tensor], labels: list[torch.Tensor], num_items_in_batch: int | torch.Tensor | None
-) -> torch.Tensor:
-    """Next-token cross-entropy, summed over the supervised answer positions of every turn, averaged like
-    transformers does (over `num_items_in_batch` when the Trainer gives it)."""
-    loss = sum(
-        F.cross_entropy(
-            turn_logits.float().reshape(-1, turn_logits.shape[-1]),
-            turn_labels.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
-        for turn_logits, turn_labels in zip(logits, labels)
-    )
-    if num_items_in_batch is None:
-        num_items_in_batch = sum((turn_labels != IGNORE_INDEX).sum() for turn_labels in labels)
-    if isinstance(num_items_in_batch, torch.Tensor):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
-
-
 @dataclass(frozen=True)
 class _ModuleIndex:
     """The modules of the base model that Bitune touches on every pass."""
@@ -644,7 +530,7 @@ class _ModuleIndex:
     @classmethod
     def of(cls, model: nn.Module) -> _ModuleIndex:
         modules = list(model.modules())
-        decoder = _decoder(model)
+        decoder = decoder_of(model)
         decoder_layers = [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
         finished = {id(m) for layer in decoder_layers[:-1] for m in layer.modules()}
         layer_names = {id(m): name for name, m in model.named_modules()}
@@ -654,81 +540,6 @@ class _ModuleIndex:
             tuple(m for m in decoder.modules() if id(m) not in finished),
             tuple(LayerPath.of(model, layer_names[id(layer)]) for layer in decoder_layers),
         )
-
-
-# transformers' hooks for `output_attentions`/`output_hidden_states`: idle unless those are asked for.
-_OUTPUT_CAPTURING_HOOKS = "transformers.utils.output_capturing"
-
-
-def _forwards_are_hooked(modules: tuple[nn.Module, ...]) -> bool:
-    """Whether anything runs around the forwards of `modules`: forward hooks (FSDP2, DeepSpeed, the user's),
-    accelerate hooks, FSDP (1 or 2) management. Checked on every forward, as these are added after the adapter
-    (`accelerator.prepare`)."""
-
-    def active(hooks: dict) -> bool:
-        return bool(hooks) and any(
-            getattr(hook, "__module__", None) != _OUTPUT_CAPTURING_HOOKS for hook in hooks.values()
-        )
-
-    module_globals = nn.modules.module
-    if active(getattr(module_globals, "_global_forward_hooks", {})) or active(
-        getattr(module_globals, "_global_forward_pre_hooks", {})
-    ):
-        return True
-    for module in modules:
-        # Read from the instance dict: a missing attribute costs an exception in `nn.Module.__getattr__`.
-        attributes = vars(module)
-        if attributes.get("_hf_hook") is not None or attributes.get("_is_fsdp_managed_module", False):
-            return True
-        if active(module._forward_hooks) or active(module._forward_pre_hooks):
-            return True
-    return False
-
-
-@dataclass
-class _TrainingCache:
-    """The keys/values a training batch has built so far: one tensor per layer, left-aligned, with its mask."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    mask: torch.Tensor
-
-    @classmethod
-    def extend(
-        cls, cache: _TrainingCache | None, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor
-    ) -> _TrainingCache:
-        """Append a chunk; a right-padded chunk after a cache is re-aligned to the left (a gather per layer)."""
-        if cache is None:
-            return cls(keys, values, mask)
-        mask = torch.cat([cache.mask, mask], dim=1)
-        keys = [torch.cat([old, new], dim=-2) for old, new in zip(cache.keys, keys)]
-        values = [torch.cat([old, new], dim=-2) for old, new in zip(cache.values, values)]
-        compacted = compact_left(mask, *keys, *values)
-        count = len(keys)
-        return cls(list(compacted[1 : 1 + count]), list(compacted[1 + count :]), compacted[0])
-
-
-def _pass_cache(
-    cache: _TrainingCache | None, model: nn.Module, record: bool, stop_after_last_record: bool = False
-) -> Cache:
-    if cache is None:
-        return pass_cache(_num_layers(model), record=record, stop_after_last_record=stop_after_last_record)
-    return pass_cache(
-        _num_layers(model), cache.keys, cache.values, record=record, stop_after_last_record=stop_after_last_record
-    )
-
-
-def _pass_attention_mask(cache: _TrainingCache | None, chunk: Chunk) -> torch.Tensor:
-    return chunk.mask if cache is None else torch.cat([cache.mask, chunk.mask], dim=1)
-
-
-def _decoder(model: nn.Module) -> nn.Module:
-    """The decoder stack under the LM head (e.g. `LlamaModel` inside `LlamaForCausalLM`)."""
-    return model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-
-
-def _num_layers(model: nn.Module) -> int:
-    return text_config(model).num_hidden_layers
 
 
 def _check_model_supported(model: nn.Module) -> None:
@@ -743,9 +554,20 @@ def _check_model_supported(model: nn.Module) -> None:
         raise ValueError(
             f"Bitune tunes decoder-only models; {type(model).__name__} is an encoder-decoder model."
         )
-    if not getattr(model, "_supports_cache_class", True) or getattr(text_config(model), "use_cache", None) is None:
+    if getattr(text_config(model), "use_cache", None) is None:
         raise ValueError(
             f"Bitune reads the prompt into a KV cache, and {type(model).__name__} has no KV cache support."
         )
     if not hasattr(text_config(model), "num_hidden_layers"):
         raise ValueError(f"Cannot find `num_hidden_layers` in the config of {type(model).__name__}.")
+
+
+def find_bitune_tuner(model: nn.Module) -> BituneModel | None:
+    """The `BituneModel` of `model`: the tuner itself, the one inside a Bitune `PeftModel`, or the one inside a model
+    wrapped by DDP, FSDP or accelerate. `None` if there is none; callers say what they needed it for."""
+    if isinstance(model, BituneModel):
+        return model
+    base_model = getattr(model, "base_model", None)
+    if isinstance(base_model, BituneModel):
+        return base_model
+    return next((module for module in model.modules() if isinstance(module, BituneModel)), None)

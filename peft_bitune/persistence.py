@@ -26,16 +26,15 @@ import re
 from typing import Any
 
 import torch
-from peft.tuners.tuners_utils import _filter_state_dict_by_key_prefixes, _get_tuner_state_dict_key_prefixes
+from peft import PeftModel
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
-# Kept in sync with model.py, which imports this module (so it cannot be imported from there at module level).
-_WEIGHT_SETS = ("causal", "bidirectional")
-_INNER_SEPARATOR = "__"
-_MIXERS = "bitune_mixers"
+from . import compat
+from .common import INNER_SEPARATOR, MIXERS_ATTRIBUTE, WEIGHT_SETS, inner_adapter_name
+
 # Checkpoint keys of the mixing scalars (adapter name removed; the "base_model." prefix may be absent).
-MIXER_CHECKPOINT_KEYS = {"keys": f"{_MIXERS}.key_weights", "values": f"{_MIXERS}.value_weights"}
+MIXER_CHECKPOINT_KEYS = {"keys": f"{MIXERS_ATTRIBUTE}.key_weights", "values": f"{MIXERS_ATTRIBUTE}.value_weights"}
 _PEFT_PREFIX = "base_model.model."
 # How many offending keys an error message lists before it says "and N more".
 _SHOWN_KEYS = 5
@@ -78,9 +77,9 @@ class BituneCheckpointMixin:
         renamed, count = _inner_name_pattern(adapter_name).subn(r".\1", key)
         if count:
             return renamed
-        mixer_segment = f"{_MIXERS}.{adapter_name}."
+        mixer_segment = f"{MIXERS_ATTRIBUTE}.{adapter_name}."
         if key.startswith(mixer_segment) or f".{mixer_segment}" in key:
-            return key.replace(mixer_segment, f"{_MIXERS}.", 1)
+            return key.replace(mixer_segment, f"{MIXERS_ATTRIBUTE}.", 1)
         return key
 
     @classmethod
@@ -130,14 +129,14 @@ def _forget_refused_adapter(model: nn.Module, adapter_name: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------------- selection
 def _inner_names(config: Any, adapter_name: str) -> list[str]:
-    weight_sets = _WEIGHT_SETS[:1] if config.shared_weights else _WEIGHT_SETS
-    return [f"{adapter_name}{_INNER_SEPARATOR}{weight_set}" for weight_set in weight_sets]
+    weight_sets = WEIGHT_SETS[:1] if config.shared_weights else WEIGHT_SETS
+    return [inner_adapter_name(adapter_name, weight_set) for weight_set in weight_sets]
 
 
 def _inner_name_pattern(adapter_name: str) -> re.Pattern[str]:
     """Matches the inner adapter name as one whole key segment, capturing the weight set."""
-    sets = "|".join(_WEIGHT_SETS)
-    return re.compile(rf"\.{re.escape(adapter_name)}{_INNER_SEPARATOR}({sets})(?=\.|$)")
+    sets = "|".join(WEIGHT_SETS)
+    return re.compile(rf"\.{re.escape(adapter_name)}{INNER_SEPARATOR}({sets})(?=\.|$)")
 
 
 def _adapter_state(
@@ -147,19 +146,15 @@ def _adapter_state(
     The entries of `state_dict` that belong to this adapter: found structurally (what lives on tuner layers and on
     the tuner, as PEFT does), then narrowed to this adapter's inner names and mixer.
     """
-    tuner_state = _filter_state_dict_by_key_prefixes(state_dict, _get_tuner_state_dict_key_prefixes(model))
+    tuner_state = compat.tuner_state(model, state_dict)
     names = "|".join(re.escape(name) for name in _inner_names(config, adapter_name))
-    own = re.compile(rf"\.(?:{names})(?:\.|$)|(?:^|\.){_MIXERS}\.{re.escape(adapter_name)}(?:\.|$)")
+    own = re.compile(rf"\.(?:{names})(?:\.|$)|(?:^|\.){MIXERS_ATTRIBUTE}\.{re.escape(adapter_name)}(?:\.|$)")
     return {key: value for key, value in tuner_state.items() if own.search(key)}
 
 
 def _check_is_bitune_peft_model(model: nn.Module, action: str) -> None:
     """Refuse transformers' built-in adapter loading, which would inject the weights and run only the causal ones."""
-    from peft import PeftModel
-
-    from .model import BituneModel
-
-    if not (isinstance(model, PeftModel) and isinstance(model.base_model, BituneModel)):
+    if not (isinstance(model, PeftModel) and isinstance(model.base_model, BituneCheckpointMixin)):
         raise ValueError(
             f"A Bitune adapter can only be {action} through PEFT's `PeftModel`, which runs its two prompt passes; "
             f"got a {type(model).__name__}. transformers' own adapter support (`model.load_adapter(...)`, "
@@ -204,9 +199,9 @@ def _check_complete(config: Any, checkpoint_to_model: dict[str, str], loaded: se
     if not missing:
         return
     parts = []
-    if any(f".{_MIXERS}." in f".{key}" for key in missing):
+    if any(f".{MIXERS_ATTRIBUTE}." in f".{key}" for key in missing):
         parts.append("the mixing scalars (`bitune_mixers.key_weights` / `value_weights`)")
-    for weight_set in _WEIGHT_SETS:
+    for weight_set in WEIGHT_SETS:
         if any(f".{weight_set}." in f"{key}." for key in missing):
             parts.append(f"weights of the {weight_set} set")
     what = " and ".join(parts) or "biases trained by the inner method"

@@ -17,8 +17,11 @@ import os
 from typing import Any
 
 import torch
+from peft import PeftModel
 from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
 from torch import nn
+
+from .model import BituneModel
 
 _registration_hook: Any = None
 
@@ -34,18 +37,14 @@ def guard_bitune_saving() -> None:
 def _on_module_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
     if name != "base_model":  # runs for every submodule registered anywhere: the cheap test first
         return
-    from peft import PeftModel
-
-    from .model import BituneModel
-
     if isinstance(submodule, BituneModel) and isinstance(module, PeftModel):
         # An instance attribute: it shadows PEFT's method for this model only, and survives copy.deepcopy and pickling.
         module.__dict__["save_pretrained"] = functools.partial(save_pretrained_safetensors_only, module)
 
 
 def save_pretrained_safetensors_only(model: nn.Module, save_directory: str, *args: Any, **kwargs: Any) -> None:
-    """`PeftModel.save_pretrained`, refusing before anything is written a pickled save or a target folder that holds
-    an `adapter_model.bin` (which `PeftModel.from_pretrained` would not use, but peft-bitune refuses to sit next to)."""
+    """`PeftModel.save_pretrained`, refusing before anything is written a pickled save or a target folder that holds an
+    `adapter_model.bin` (which `PeftModel.from_pretrained` would not use, but peft-bitune refuses to sit next to)."""
     save = type(model).save_pretrained
     arguments = inspect.signature(save).bind(model, save_directory, *args, **kwargs)
     arguments.apply_defaults()

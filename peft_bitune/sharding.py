@@ -90,7 +90,8 @@ def check_sharding(decoder_layer_paths: Sequence[LayerPath], num_cache_layers: i
         )
     if not vars(mixers).get("_is_fsdp_managed_module", False):
         raise ValueError(
-            "The decoder layers are sharded with `fully_shard`, but the Bitune mixing scalars are not: their gradients "
-            "would not be averaged across processes and every process would train its own. Apply `fully_shard` to the "
-            "PEFT model itself after its layers (`fully_shard(peft_model)`), as accelerate's FSDP2 does."
+            "The decoder layers are sharded with `fully_shard`, but the Bitune mixing scalars are not: their "
+            "gradients would not be averaged across processes and every process would train its own. Apply "
+            "`fully_shard` to the PEFT model itself after its layers (`fully_shard(peft_model)`), as accelerate's "
+            "FSDP2 does."
         )

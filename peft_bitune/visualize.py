@@ -5,10 +5,10 @@ per-layer mixing coefficients of their caches, and how those coefficients moved 
 The tensor functions (`attention_maps`, `mixing_coefficients`) need only torch; the drawing functions need matplotlib,
 installed with the `viz` extra (`pip install peft-bitune[viz]`). `import peft_bitune` never imports this module.
 
-What the attention maps cover: exactly what the two prompt passes read, which is the instruction *minus its last
-token* (prompt[:-1], BITUNE.md steps 1-2). The last instruction token is never read by those passes: it goes through
-the causal answer pass over the mixed cache. So a prompt of P tokens gives (P - 1) x (P - 1) maps, labelled with the
-first P - 1 tokens.
+What the attention maps cover: exactly what the two prompt passes read, which is the instruction *minus its last token*
+(prompt[:-1], steps 1-2 of `passes.py`). The last instruction token is never read by those passes: it goes through the
+causal answer pass over the mixed cache. So a prompt of P tokens gives (P - 1) x (P - 1) maps, labelled with the first
+P - 1 tokens.
 """
 
 from __future__ import annotations
@@ -22,20 +22,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from peft import PeftModel
+from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 from torch import nn
 
+from . import compat
 from .callbacks import layer_log_key, mean_log_key
+from .common import BIDIRECTIONAL, CAUSAL, WeightSet, is_bitune_type, text_config
 from .config import BituneConfig
 from .generation import attention_mask_for, positions_for
 from .mixing import BituneKVMixer
-from .model import BIDIRECTIONAL, CAUSAL, BituneModel, WeightSet
+from .model import BituneModel, find_bitune_tuner
 from .persistence import MIXER_CHECKPOINT_KEYS
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-ADAPTER_CONFIG_NAME = "adapter_config.json"
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 
 
 @dataclass
@@ -102,9 +103,9 @@ def attention_maps(
     """
     bitune = _bitune_model(model)
     hf_model = bitune.model
-    text_config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
-    layer = _checked_index("layer", layer, text_config.num_hidden_layers)
-    head = _checked_index("head", head, text_config.num_attention_heads)
+    config = text_config(hf_model)
+    layer = _checked_index("layer", layer, config.num_hidden_layers)
+    head = _checked_index("head", head, config.num_attention_heads)
     prefix_ids, prefix_mask = _prompt_pass_tokens(input_ids, attention_mask)
     device = next(hf_model.parameters()).device
     prefix_ids, prefix_mask = prefix_ids.to(device), prefix_mask.to(device)
@@ -167,7 +168,9 @@ def _prompt_pass_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """prompt[:-1] of every row: the last real token of each row is dropped, then all-padding edge columns."""
     if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"`input_ids` must be a tensor, got {type(input_ids).__name__}; tokenize with return_tensors='pt'.")
+        raise TypeError(
+            f"`input_ids` must be a tensor, got {type(input_ids).__name__}; tokenize with return_tensors='pt'."
+        )
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
         attention_mask = attention_mask[None] if attention_mask is not None else None
@@ -207,11 +210,11 @@ def _checked_index(name: str, index: int | None, size: int) -> int | None:
 
 
 def _bitune_model(model: Any) -> BituneModel:
-    bitune = model.base_model if isinstance(model, PeftModel) else model
-    if not isinstance(bitune, BituneModel):
+    bitune = find_bitune_tuner(model) if isinstance(model, nn.Module) else None
+    if bitune is None:
         raise TypeError(
             f"Expected a Bitune model (a `PeftModel` made with a `BituneConfig`, or its `BituneModel`), got "
-            f"{type(bitune).__name__}."
+            f"{type(model).__name__}."
         )
     return bitune
 
@@ -219,7 +222,7 @@ def _bitune_model(model: Any) -> BituneModel:
 @contextmanager
 def _eager_attention(model: nn.Module) -> Iterator[None]:
     """Run `model` with eager attention (the only one that returns probabilities), then restore its implementation."""
-    previous = model.config._attn_implementation
+    previous = compat.attention_implementation(model)
     if previous == "eager":
         yield
         return
@@ -230,7 +233,7 @@ def _eager_attention(model: nn.Module) -> Iterator[None]:
         raise ValueError(f"{type(model).__name__} cannot switch its attention implementation. {how_to_load}")
     try:
         model.set_attn_implementation("eager")
-        if model.config._attn_implementation != "eager":
+        if compat.attention_implementation(model) != "eager":
             raise ValueError(f"{type(model).__name__} could not switch to eager attention. {how_to_load}")
         yield
     finally:
@@ -279,7 +282,7 @@ def _saved_mixing_coefficients(directory: str | os.PathLike, adapter_name: str |
     from safetensors import safe_open
 
     path = os.path.join(directory, adapter_name) if adapter_name not in (None, "default") else os.fspath(directory)
-    config_path, weights_path = os.path.join(path, ADAPTER_CONFIG_NAME), os.path.join(path, ADAPTER_WEIGHTS_NAME)
+    config_path, weights_path = os.path.join(path, CONFIG_NAME), os.path.join(path, SAFETENSORS_WEIGHTS_NAME)
     for required in (config_path, weights_path):
         if not os.path.isfile(required):
             raise FileNotFoundError(
@@ -288,7 +291,7 @@ def _saved_mixing_coefficients(directory: str | os.PathLike, adapter_name: str |
             )
     with open(config_path, encoding="utf-8") as file:
         config_data = json.load(file)
-    if config_data.get("peft_type") != "BITUNE":
+    if not is_bitune_type(config_data.get("peft_type")):
         raise ValueError(f"{config_path} describes a {config_data.get('peft_type')!r} adapter, not a Bitune one.")
     config = BituneConfig.from_pretrained(path)
     weights = {}
@@ -334,8 +337,8 @@ def mixing_history(log_history: Sequence[dict[str, Any]] | str | os.PathLike) ->
     Read the mixing coefficients a Bitune training run logged (`BituneMixingCallback`, which `BituneSFTTrainer` uses).
 
     Args:
-        log_history (`list[dict]`, or a path): `trainer.state.log_history`, or a `trainer_state.json` (or the checkpoint
-            folder holding it) that the Trainer saved.
+        log_history (`list[dict]`, or a path): `trainer.state.log_history`, or a `trainer_state.json` (or the
+            checkpoint folder holding it) that the Trainer saved.
 
     Returns:
         A `MixingHistory`.
@@ -443,7 +446,8 @@ def plot_attention_maps(
         ax.set_xlabel("attended token")
         ax.set_ylabel("source token")
         if not shared_scale:
-            figure.colorbar(image, ax=ax, shrink=0.8, label=f"attention (this panel's own scale, 0 to {norm.vmax:.2f})")
+            label = f"attention (this panel's own scale, 0 to {norm.vmax:.2f})"
+            figure.colorbar(image, ax=ax, shrink=0.8, label=label)
     if shared_scale:
         figure.colorbar(image, ax=list(axes), shrink=0.8, label="attention (one scale for both panels, square root)")
     scope = f"layer {maps.layer}" if maps.layer is not None else "average over layers"
@@ -465,7 +469,8 @@ def plot_mixing_coefficients(
     alpha is the weight of the bidirectional cache: 0 keeps only the causal pass, 1 only the bidirectional pass.
 
     Args:
-        source: a Bitune model, a directory written by its `save_pretrained`, or the dict `mixing_coefficients` returns.
+        source: a Bitune model, a directory written by its `save_pretrained`, or the dict `mixing_coefficients`
+        returns.
         adapter_name (`str`, *optional*): see `mixing_coefficients`.
         path (`str` or `os.PathLike`, *optional*): also save the figure there (PNG unless the suffix says otherwise).
         title (`str`, *optional*): the plot's title.
@@ -596,7 +601,9 @@ def _check_output_path(path: str | os.PathLike | None) -> None:
         return
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"Cannot save the figure to {os.fspath(path)}: the directory {directory} does not exist.")
+        raise FileNotFoundError(
+            f"Cannot save the figure to {os.fspath(path)}: the directory {directory} does not exist."
+        )
 
 
 def _save(figure: Figure, path: str | os.PathLike | None) -> None:

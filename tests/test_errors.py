@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import AdaLoraConfig, LoraConfig, PromptTuningConfig, get_peft_model
-
 from conftest import VOCAB
-from peft_bitune import BituneConfig
+from peft import AdaLoraConfig, LoraConfig, PromptTuningConfig, get_peft_model
 from reference import make_bitune
+
+from peft_bitune import BituneConfig
+from peft_bitune.passes import BitunePasses
 
 
 @pytest.mark.parametrize(
@@ -103,7 +104,7 @@ def _batch():
 def test_bad_training_inputs_get_clear_errors_before_any_compute(load_base, monkeypatch, change, message):
     model = make_bitune(load_base("llama"))
     ran = []
-    monkeypatch.setattr(type(model.base_model), "_prompt_pass", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(BitunePasses, "prompt_pass", lambda *a, **k: ran.append(1))
     ids, labels = _batch()
     with pytest.raises((ValueError, NotImplementedError), match=message):
         model(**change(ids, labels))
@@ -148,7 +149,7 @@ def test_ordinary_position_ids_give_the_same_result_as_none(load_base):
 def test_forward_arguments_the_passes_cannot_share_are_refused_by_name(load_base, monkeypatch, extra, message):
     model = make_bitune(load_base("llama"))
     ran = []
-    monkeypatch.setattr(type(model.base_model), "_prompt_pass", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(BitunePasses, "prompt_pass", lambda *a, **k: ran.append(1))
     ids, labels = _batch()
     with pytest.raises(ValueError, match=message):
         model(input_ids=ids, labels=labels, **extra)
@@ -158,7 +159,7 @@ def test_forward_arguments_the_passes_cannot_share_are_refused_by_name(load_base
 def test_an_empty_or_too_long_training_batch_is_refused_before_any_compute(load_base, monkeypatch):
     model = make_bitune(load_base("llama"))
     ran = []
-    monkeypatch.setattr(type(model.base_model), "_prompt_pass", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(BitunePasses, "prompt_pass", lambda *a, **k: ran.append(1))
     empty = torch.zeros(0, 6, dtype=torch.long)
     with pytest.raises(ValueError, match="The batch is empty"):
         model(input_ids=empty, labels=empty)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ATTENTION_CASES, VOCAB
+from reference import left_padded, make_bitune, reference_greedy, reference_prefill
 from transformers.generation.streamers import BaseStreamer
 
-from conftest import ATTENTION_CASES, VOCAB
 from peft_bitune import compat
-from reference import left_padded, make_bitune, reference_greedy, reference_prefill
+from peft_bitune.passes import BitunePasses
 
 PROMPT_LENGTHS = [9, 1, 4, 12]
 
@@ -145,13 +146,13 @@ def test_decoding_reuses_the_prefill_and_never_reruns_it(load_base, monkeypatch)
     model = make_bitune(load_base("llama")).eval()
     bitune = model.base_model
     calls = []
-    original = type(bitune)._prompt_pass
+    original = BitunePasses.prompt_pass
 
     def counting(self, weight_set, cache, **inputs):
         calls.append((weight_set, inputs["input_ids"].shape))
         return original(self, weight_set, cache, **inputs)
 
-    monkeypatch.setattr(type(bitune), "_prompt_pass", counting)
+    monkeypatch.setattr(BitunePasses, "prompt_pass", counting)
     batch = left_padded(prompts(seed=8, lengths=[5, 9]))
     model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
     width = batch["input_ids"].shape[1]
@@ -224,13 +225,13 @@ def test_generate_without_attention_mask_infers_it_from_the_pad_token_like_trans
 
 def count_prompt_passes(model, monkeypatch) -> list[str]:
     calls = []
-    original = type(model.base_model)._prompt_pass
+    original = BitunePasses.prompt_pass
 
     def counting(self, weight_set, cache, **inputs):
         calls.append(weight_set)
         return original(self, weight_set, cache, **inputs)
 
-    monkeypatch.setattr(type(model.base_model), "_prompt_pass", counting)
+    monkeypatch.setattr(BitunePasses, "prompt_pass", counting)
     return calls
 
 

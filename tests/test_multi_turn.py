@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn import functional as F
-
 from conftest import VOCAB
 from reference import make_bitune, reference_alternating, reference_row
+from torch.nn import functional as F
+
+from peft_bitune.passes import BitunePasses
 
 # Each row: (instruction length, answer length) per turn, then trailing unsupervised tokens.
 ROWS = [
@@ -94,9 +95,8 @@ def test_multi_turn_batch_matches_per_row_reference(load_base, arch, attn_implem
 
 def test_alternating_runs_each_segment_once_for_the_whole_batch(load_base, monkeypatch):
     model = make_bitune(load_base("llama"))
-    bitune = model.base_model
     prompt_passes, answer_passes = [], []
-    original_prompt, original_answer = type(bitune)._prompt_pass, type(bitune)._answer_pass
+    original_prompt, original_answer = BitunePasses.prompt_pass, BitunePasses.answer_pass
 
     def prompt_pass(self, *args, **kwargs):
         prompt_passes.append(1)
@@ -106,8 +106,8 @@ def test_alternating_runs_each_segment_once_for_the_whole_batch(load_base, monke
         answer_passes.append(1)
         return original_answer(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(bitune), "_prompt_pass", prompt_pass)
-    monkeypatch.setattr(type(bitune), "_answer_pass", answer_pass)
+    monkeypatch.setattr(BitunePasses, "prompt_pass", prompt_pass)
+    monkeypatch.setattr(BitunePasses, "answer_pass", answer_pass)
     _, batch = make_conversations("right")
     model(**batch)
     max_turns = max(len(turns) for turns, _ in ROWS)

@@ -19,50 +19,42 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import typing
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from peft_bitune import BituneConfig
-from peft_bitune.config import MULTI_TURN_MODES, SECOND_PASS_ATTENTIONS
+from peft import PeftConfig
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+
+from peft_bitune import BituneConfig
 
 from .config import BituneSFTConfig
 
-_BITUNE_DEFAULTS = BituneConfig.__dataclass_fields__
 # What `bitune-sft` hands to `accelerate launch --module`: this module, whose `__main__` block trains.
 TRAINING_MODULE = "trl_integration.cli"
 
 
-@dataclass
-class BituneArguments:
-    """The Bitune settings of `BituneConfig` other than the weight-set method (which the `--lora_*` flags set)."""
+def _bitune_arguments() -> type:
+    """
+    The Bitune settings of `BituneConfig` other than the weight-set method (which the `--lora_*` flags set), as a
+    dataclass for TRL's parser: the same names, types (a `Literal` gives its flag the choices), defaults and help
+    texts, taken from `BituneConfig` itself.
+    """
+    peft_fields = {f.name for f in dataclasses.fields(PeftConfig)}
+    types = typing.get_type_hints(BituneConfig)
+    settings = [
+        (f.name, types[f.name], field(default=f.default, metadata=f.metadata))
+        for f in dataclasses.fields(BituneConfig)
+        if f.name not in peft_fields and f.name != "adapter_config"
+    ]
+    arguments = dataclasses.make_dataclass("BituneArguments", settings)
+    arguments.__module__ = __name__
+    arguments.__doc__ = "The Bitune settings of `BituneConfig` other than the weight-set method (`--lora_*` flags)."
+    return arguments
 
-    mix_init: float = field(
-        default=_BITUNE_DEFAULTS["mix_init"].default, metadata={"help": "Initial value of every mixing scalar `w`."}
-    )
-    mix_scale: float = field(
-        default=_BITUNE_DEFAULTS["mix_scale"].default, metadata={"help": "The constant `s` in alpha = |w| / (|w| + s)."}
-    )
-    shared_weights: bool = field(
-        default=_BITUNE_DEFAULTS["shared_weights"].default,
-        metadata={"help": "Ablation: one weight set (the causal one) serves both prompt passes."},
-    )
-    second_pass_attention: str = field(
-        default=_BITUNE_DEFAULTS["second_pass_attention"].default,
-        metadata={"help": "Mask of the second prompt pass.", "choices": list(SECOND_PASS_ATTENTIONS)},
-    )
-    train_mixing: bool = field(
-        default=_BITUNE_DEFAULTS["train_mixing"].default,
-        metadata={"help": "Ablation: False freezes the mixing scalars at `mix_init`."},
-    )
-    multi_turn: str = field(
-        default=_BITUNE_DEFAULTS["multi_turn"].default,
-        metadata={
-            "help": "Training on rows with several instruction/answer segments: 'alternating' or whole 'history'.",
-            "choices": list(MULTI_TURN_MODES),
-        },
-    )
+
+BituneArguments = _bitune_arguments()
 
 
 @dataclass
@@ -87,8 +79,8 @@ class BituneModelConfig(ModelConfig):
     lora_target_modules: list[str] | None = field(
         default_factory=lambda: ["all-linear"],
         metadata={
-            "help": "LoRA target modules of both weight sets (Bitune's default: all-linear, as in the paper; `trl sft` "
-            "uses PEFT's per-architecture default, usually the attention projections only)."
+            "help": "LoRA target modules of both weight sets (Bitune's default: all-linear, as in the paper; "
+            "`trl sft` uses PEFT's per-architecture default, usually the attention projections only)."
         },
     )
 
@@ -107,7 +99,8 @@ def make_parser(prog: str | None = "bitune-sft") -> TrlParser:
 
 
 def build_peft_config(model_args: ModelConfig, bitune_args: BituneArguments) -> BituneConfig:
-    """The Bitune adapter the flags describe: `trl sft`'s LoRA config for both weight sets, plus the mixing settings."""
+    """The Bitune adapter the flags describe: `trl sft`'s LoRA config for both weight sets, plus the mixing
+    settings."""
     from trl import get_peft_config
 
     adapter_config = get_peft_config(dataclasses.replace(model_args, use_peft=True))
@@ -135,8 +128,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     _, unknown = launch_parser.parse_known_args([*launch_args, "--module", TRAINING_MODULE])
     if unknown:
         raise ValueError(
-            f"Unknown arguments {unknown}: neither a training argument of `bitune-sft` (see `bitune-sft --help`) nor an "
-            "`accelerate launch` argument (see `accelerate launch --help`)."
+            f"Unknown arguments {unknown}: neither a training argument of `bitune-sft` (see `bitune-sft --help`) nor "
+            "an `accelerate launch` argument (see `accelerate launch --help`)."
         )
     launch_command(launch_parser.parse_args([*launch_args, "--module", TRAINING_MODULE, *training_script_args]))
 

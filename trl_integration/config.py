@@ -80,8 +80,8 @@ class BituneSFTConfig(SFTConfig):
         kwargs = dict(getattr(self, compat.CHECKPOINTING_KWARGS_ARGUMENT) or {})
         if kwargs.get("use_reentrant", False):
             raise ValueError(
-                "Bitune needs non-reentrant gradient checkpointing: reentrant checkpointing drops the gradients of the "
-                "key/value projections that flow through the mixed prompt cache. Remove `use_reentrant` from "
+                "Bitune needs non-reentrant gradient checkpointing: reentrant checkpointing drops the gradients of "
+                "the key/value projections that flow through the mixed prompt cache. Remove `use_reentrant` from "
                 f"`{compat.CHECKPOINTING_KWARGS_ARGUMENT}` (it defaults to False here) or set it to False."
             )
         kwargs["use_reentrant"] = False

@@ -1,8 +1,9 @@
 """`BituneSFTTrainer`: TRL's `SFTTrainer` training a Bitune adapter.
 
 Data preparation, chat templates, collation, logging, evaluation, checkpointing and `push_to_hub` are TRL's own. The
-instruction/answer boundaries reach the model through the labels TRL builds (each run of unsupervised tokens followed by
-supervised ones is an instruction and its answer; several such runs make a multi-turn row), so the subclass only has to:
+instruction/answer boundaries reach the model through the labels TRL builds (each run of unsupervised tokens followed
+by supervised ones is an instruction and its answer; several such runs make a multi-turn row), so the subclass only has
+to:
 
 - apply a Bitune `peft_config` (the default) and refuse any other;
 - refuse, before any work, data and settings that carry no boundary or break the three-pass forward;
@@ -36,10 +37,10 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.utils import entropy_from_logits
 
 from peft_bitune import BituneConfig, BituneMixingCallback, BituneModel, compat
+from peft_bitune.common import IGNORE_INDEX, format_rows
+from peft_bitune.model import find_bitune_tuner
 
 from .config import BituneSFTConfig, refuse_packing
-
-IGNORE_INDEX = -100
 
 _FORMATS_THAT_WORK = (
     "prompt-completion rows (`prompt` and `completion` columns, plain text or conversational) with "
@@ -64,8 +65,8 @@ class BituneSFTTrainer(SFTTrainer):
       modelling data (a `text` column or a `formatting_func`) has no instruction and is refused, as are packing and
       padding-free batches.
     - Training logs gain `bitune/alpha_keys_mean` and `bitune/alpha_values_mean`, and the per-layer alphas every
-      `args.mixing_logging_steps` steps, from a [`BituneMixingCallback`] added first to the callbacks (unless `callbacks`
-      already holds one).
+      `args.mixing_logging_steps` steps, from a [`BituneMixingCallback`] added first to the callbacks (unless
+      `callbacks` already holds one).
 
     Example:
 
@@ -248,12 +249,8 @@ class BituneSFTTrainer(SFTTrainer):
         if self.is_world_process_zero():
             from peft_bitune.model_card import write_trl_model_card
 
-            bitune = self._bitune_model()
+            bitune = find_bitune_tuner(self.accelerator.unwrap_model(self.model))
             write_trl_model_card(self.args.output_dir, bitune.peft_config[bitune.active_adapter], location)
-
-    def _bitune_model(self) -> BituneModel:
-        peft_model = self.accelerator.unwrap_model(self.model)
-        return peft_model.base_model
 
     def _whole_mixing_scalars(self, bitune: BituneModel) -> contextlib.AbstractContextManager:
         """
@@ -274,7 +271,8 @@ class BituneSFTTrainer(SFTTrainer):
 
 # ---------------------------------------------------------------------- argument checks
 def _as_bitune_config(args: TrainingArguments | None, model: Any) -> BituneSFTConfig:
-    """`BituneSFTConfig` as given, or built from the other configs the way `SFTTrainer` converts `TrainingArguments`."""
+    """`BituneSFTConfig` as given, or built from the other configs the way `SFTTrainer` converts
+    `TrainingArguments`."""
     if isinstance(args, BituneSFTConfig):
         return args
     if args is None:
@@ -323,8 +321,8 @@ def _check_training_setup(args: BituneSFTConfig, bitune_config: BituneConfig) ->
     if plugin is not None and getattr(plugin, "zero_stage", None) == 3 and getattr(args, checkpointing):
         raise ValueError(
             "DeepSpeed ZeRO-3 with gradient checkpointing is not supported: TRL forces reentrant checkpointing for "
-            "PEFT models under ZeRO-3, and reentrant checkpointing drops the gradients that flow through Bitune's mixed "
-            f"prompt cache. Set `{checkpointing}=False`, or use ZeRO stage 2 or FSDP."
+            "PEFT models under ZeRO-3, and reentrant checkpointing drops the gradients that flow through Bitune's "
+            f"mixed prompt cache. Set `{checkpointing}=False`, or use ZeRO stage 2 or FSDP."
         )
     fsdp_config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
     fsdp_checkpointing = str(fsdp_config.get("activation_checkpointing", "false")).lower() == "true" or (
@@ -420,20 +418,16 @@ def _check_prepared_labels(dataset: Any, name: str) -> None:
         offset += len(lengths)
     if no_instruction:
         raise ValueError(
-            f"Rows {_first_rows(no_instruction)} of the prepared `{name}` have no instruction: their first token is already "
-            "supervised. Bitune reads an instruction before the answer; make sure each prompt is non-empty (a BOS "
-            "token or a template counts) and that truncation keeps the start of each row "
+            f"Rows {format_rows(no_instruction)} of the prepared `{name}` have no instruction: their first token is "
+            "already supervised. Bitune reads an instruction before the answer; make sure each prompt is non-empty "
+            "(a BOS token or a template counts) and that truncation keeps the start of each row "
             "(`truncation_mode='keep_start'`)."
         )
     if no_answer:
         raise ValueError(
-            f"Rows {_first_rows(no_answer)} of the prepared `{name}` have no supervised token (all labels are -100), so there is no "
-            "answer to train on. Remove them, or raise `max_length` if truncation cut the answers off."
+            f"Rows {format_rows(no_answer)} of the prepared `{name}` have no supervised token (all labels are -100), "
+            "so there is no answer to train on. Remove them, or raise `max_length` if truncation cut the answers off."
         )
-
-
-def _first_rows(rows: list[int]) -> str:
-    return "[" + ", ".join(map(str, rows[:8])) + (", ...]" if len(rows) > 8 else "]")
 
 
 # ---------------------------------------------------------------------- model helpers
@@ -442,8 +436,7 @@ def keep_mixing_scalars_in_float32(model: torch.nn.Module) -> None:
     Restore float32 mixing scalars. TRL casts every trainable parameter of a quantized (QLoRA) model to bf16, but bf16
     cannot represent the small steps the scalars take (see `BituneKVMixer`).
     """
-    for module in model.modules():
-        if isinstance(module, BituneModel):
-            for parameter in module.bitune_mixers.parameters():
-                if parameter.dtype != torch.float32:
-                    parameter.data = parameter.data.float()
+    bitune = find_bitune_tuner(model)
+    for parameter in bitune.bitune_mixers.parameters() if bitune is not None else ():
+        if parameter.dtype != torch.float32:
+            parameter.data = parameter.data.float()

@@ -37,8 +37,8 @@ from tqdm import tqdm
 from transformers.cache_utils import Cache
 
 from .. import compat
-from ..model import CAUSAL, BituneModel
-from ..registration import BITUNE_TYPE_NAME
+from ..common import CAUSAL, is_bitune_type
+from ..model import BituneModel, find_bitune_tuner
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def _check_arguments(pretrained: Any, peft: str | None, kwargs: dict[str, Any]) 
     if isinstance(pretrained, str):
         # Read the adapter's config (a small file) before the harness loads the base model.
         peft_type = PeftConfig.from_pretrained(peft, revision=kwargs.get("revision") or "main").peft_type
-        if str(getattr(peft_type, "value", peft_type)) != BITUNE_TYPE_NAME:
+        if not is_bitune_type(peft_type):
             raise ValueError(
                 f"`peft={peft}` is a {getattr(peft_type, 'value', peft_type)} adapter; the `bitune` model evaluates "
                 "Bitune adapters. Use the harness's `hf` model for it."
@@ -266,11 +266,12 @@ def _check_arguments(pretrained: Any, peft: str | None, kwargs: dict[str, Any]) 
 
 
 def _bitune_tuner(model: Any) -> BituneModel:
-    tuner = model.base_model if isinstance(model, PeftModel) else None
-    if not isinstance(tuner, BituneModel):
+    tuner = find_bitune_tuner(model)
+    if tuner is None:
+        inner = model.base_model if isinstance(model, PeftModel) else None
         raise ValueError(
             f"The `bitune` model needs a PEFT model with a Bitune adapter, got {type(model).__name__}"
-            + (f" with a {type(tuner).__name__}" if tuner is not None else "")
+            + (f" with a {type(inner).__name__}" if inner is not None else "")
             + ". For other adapters use the harness's `hf` model."
         )
     return tuner

@@ -131,7 +131,8 @@ class BituneChatCompletionHandler(ChatCompletionHandler):
             raise OpenAIError(
                 400,
                 f"This model's maximum context length is {self.engine.max_positions} tokens; the messages take "
-                f"{len(prompt_ids)} tokens and {max_tokens or 1} more are asked for. Shorten the conversation or lower "
+                f"{len(prompt_ids)} tokens and {max_tokens or 1} more are asked for. Shorten the conversation or "
+                "lower "
                 "`max_tokens` (nothing is truncated silently).",
                 "messages", "context_length_exceeded",
             )
@@ -140,7 +141,8 @@ class BituneChatCompletionHandler(ChatCompletionHandler):
         generation_config = self._build_generation_config(settings, self.engine.model.generation_config)
         if temperature == 0.0:
             generation_config.do_sample = False
-            generation_config.temperature = generation_config.top_p = None  # greedy: no sampling settings to warn about
+            # greedy: no sampling settings to warn about
+            generation_config.temperature = generation_config.top_p = None
         elif temperature is not None or top_p is not None:
             generation_config.do_sample = True  # OpenAI samples at any positive temperature
         if generation_config.pad_token_id is None:
@@ -150,7 +152,7 @@ class BituneChatCompletionHandler(ChatCompletionHandler):
     def _stream(self, request: ChatRequest, request_id: str) -> StreamingResponse:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        streamer = _CancellableStreamer(self.engine.tokenizer._tokenizer, loop, queue)
+        streamer = _CancellableStreamer(self.engine.tokenizer.backend_tokenizer, loop, queue)
 
         def work() -> ChatResult | None:
             try:
@@ -260,13 +262,16 @@ def _check_messages(messages: Any) -> list[dict]:
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or set(message) - {"role", "content"} or "role" not in message:
-            raise OpenAIError(400, f"`{where}` must be an object with `role` and `content` only, got {message!r}.", where)
+            raise OpenAIError(
+                400, f"`{where}` must be an object with `role` and `content` only, got {message!r}.", where
+            )
         if message["role"] not in ROLES:
             raise OpenAIError(400, f"`{where}.role` must be one of {sorted(ROLES)}, got {message['role']!r}.", where)
         content = message.get("content")
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(parts, list) or not all(
-            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in parts
+            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            for part in parts
         ):
             raise OpenAIError(
                 400, f"`{where}.content` must be a string or a list of text parts (this model reads text only).", where
@@ -289,7 +294,8 @@ def _optional_number(body: dict, name: str, kind: type, low: float | None = None
 
 def _check_stop(stop: Any) -> list[str]:
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP_STRINGS:
+    well_formed = isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)
+    if not well_formed or len(stops) > MAX_STOP_STRINGS:
         raise OpenAIError(
             400, f"`stop` must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them, got {stop!r}.",
             "stop",

@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ..common import is_bitune_type
+
 DEFAULT_CACHE_MEMORY_MB = 1024
 
 
@@ -21,8 +23,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="The base model: a folder or a Hub id.")
     parser.add_argument("--adapter", required=True, help="The Bitune adapter: a folder or a Hub id.")
-    parser.add_argument("--chat-template", default=None,
-                        help="A file with a Jinja chat template, for a tokenizer that has none (or to replace its own).")
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="A file with a Jinja chat template, for a tokenizer that has none (or to replace its own).",
+    )
     parser.add_argument("--served-model-name", default=None,
                         help="The model name clients send in `model` (default: the --adapter value).")
     parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: this machine only).")
@@ -63,13 +68,16 @@ def load_engine(args: argparse.Namespace):
             chat_template = file.read()
     if chat_template is None and not tokenizer.chat_template:
         raise SystemExit(
-            f"bitune-serve: the tokenizer of {args.adapter!r} has no chat template, so conversations cannot be rendered. "
-            "Pass one with `--chat-template <file>` (a Jinja template, e.g. the one your adapter was trained with)."
+            f"bitune-serve: the tokenizer of {args.adapter!r} has no chat template, so conversations cannot be "
+            "rendered. Pass one with `--chat-template <file>` (a Jinja template, e.g. the one your adapter was "
+            "trained with)."
         )
     peft_type = PeftConfig.from_pretrained(args.adapter).peft_type
-    if peft_type != "BITUNE":
-        raise SystemExit(f"bitune-serve: {args.adapter!r} is a {peft_type} adapter, not a Bitune one; serve it with vLLM "
-                         "or `transformers serve`.")
+    if not is_bitune_type(peft_type):
+        raise SystemExit(
+            f"bitune-serve: {args.adapter!r} is a {peft_type} adapter, not a Bitune one; serve it with vLLM or "
+            "`transformers serve`."
+        )
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     base = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device)
     model = PeftModel.from_pretrained(base, args.adapter)
@@ -82,7 +90,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         from .app import build_app
         from .server import bind, serve, url_of
     except ImportError as error:
-        raise SystemExit(f"bitune-serve needs FastAPI, uvicorn and openai: `pip install 'peft-bitune[serve]'` ({error}).")
+        raise SystemExit(
+            f"bitune-serve needs FastAPI, uvicorn and openai: `pip install 'peft-bitune[serve]'` ({error})."
+        )
     engine = load_engine(args)
     sock = bind(args.host, args.port)
     print(f"bitune-serve: serving {args.served_model_name or args.adapter} on {url_of(sock)}", flush=True)

@@ -39,7 +39,8 @@ class KeptConversation:
     def __post_init__(self) -> None:
         if self.cache.conversation_length != len(self.token_ids):
             raise ValueError(
-                f"The cache stands for {self.cache.conversation_length} tokens but `token_ids` has {len(self.token_ids)}."
+                f"The cache stands for {self.cache.conversation_length} tokens but `token_ids` has "
+                f"{len(self.token_ids)}."
             )
         self.nbytes = cache_nbytes(self.cache)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .. import compat
-from ..generation import text_config
+from ..common import max_positions
 from .conversations import ConversationStore, KeptConversation
 
 
@@ -81,7 +81,7 @@ class ChatEngine:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.store = ConversationStore(cache_budget_bytes)
-        self.max_positions = getattr(text_config(model), "max_position_embeddings", None)
+        self.max_positions = max_positions(model)
         self.worker = InferenceThread()
 
     def render(self, messages: list[dict]) -> str:
@@ -100,7 +100,9 @@ class ChatEngine:
             return True
         return prompt_tokens + (max_tokens or 1) <= self.max_positions
 
-    def run(self, request: ChatRequest, streamer: Any = None, cancelled: threading.Event | None = None) -> ChatResult | None:
+    def run(
+        self, request: ChatRequest, streamer: Any = None, cancelled: threading.Event | None = None
+    ) -> ChatResult | None:
         """Answer one request; runs on the worker thread. Returns None if `cancelled` was set before it started."""
         if cancelled is not None and cancelled.is_set():
             return None  # the client left while the request was queued: no work at all

@@ -1,0 +1,214 @@
+"""The passes of Bitune, apart from PEFT's bookkeeping: what one forward computes once the tuner has routed and
+checked.
+
+For each instruction segment x_1..x_m of a training row:
+
+1. the bidirectional prompt pass reads x_1..x_{m-1} with the bidirectional weights and a bidirectional mask,
+2. the causal prompt pass reads the same tokens with the causal weights and the causal mask,
+3. the two key/value caches are mixed per layer (`BituneKVMixer`),
+4. the answer pass runs x_m and the answer causally, with the causal weights, over the mixed cache.
+
+`generate` runs steps 1-3 on the prompt through the same `BitunePasses.read_twice`. The tuner (`BituneModel`) builds a
+`BitunePasses` for each forward: it hands over the model, how to route the layers to a weight set, the mixing scalars
+of the active adapter and the choices that depend on how the model is wrapped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.cache_utils import Cache
+
+from . import compat
+from .caches import PromptPassComplete, mix_recorded, pass_cache, recorded_key_values
+from .common import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, SecondPassAttention, WeightSet, num_layers
+from .layout import Chunk, ConversationLayout, Turn
+from .mixing import BituneKVMixer
+from .sharding import LayerPath, unshard_before_backward
+
+KeyValues = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class BitunePasses:
+    """
+    The passes of one forward of the active Bitune adapter.
+
+    Args:
+        model (`nn.Module`): the causal LM, with the inner PEFT method's layers.
+        weights (`Callable`): `weights(weight_set)` is a context manager that runs the model with that weight set.
+        mixer (`BituneKVMixer`): the active adapter's mixing scalars.
+        second_pass_attention (`str`): the mask of the bidirectional prompt pass (`"causal"` is the paper's ablation).
+        stop_early (`bool`): whether a prompt pass may end once the last layer has recorded its keys/values (see
+            `BituneModel._prompt_passes_may_stop_early`).
+        decoder_layer_paths (`Sequence[LayerPath]`): where each decoder layer sits, to find FSDP2 units.
+    """
+
+    model: nn.Module
+    weights: Callable[[WeightSet], AbstractContextManager]
+    mixer: BituneKVMixer
+    second_pass_attention: SecondPassAttention
+    stop_early: bool
+    decoder_layer_paths: Sequence[LayerPath]
+
+    def run_layout(self, layout: ConversationLayout, sequence: torch.Tensor) -> list[torch.Tensor]:
+        """All turns of a training batch; returns each turn's answer logits (rows, width, vocab), in layout order.
+        `sequence` is the input ids (batch, seq) or embeddings (batch, seq, hidden)."""
+        return [logits for turns, rows in layout.runs(sequence) for logits in self.run_turns(turns, rows)]
+
+    def run_turns(self, turns: list[Turn], sequence: torch.Tensor) -> list[torch.Tensor]:
+        """
+        Run instruction/answer turns in order over one growing cache; returns each turn's answer logits.
+
+        Per turn: both prompt passes over x_1..x_{m-1} on top of the cache so far, their mix appended to the cache;
+        then x_m and the answer causally, their causal keys/values appended for the next turn.
+        """
+        cache: TrainingCache | None = None
+        logits = []
+        for number, turn in enumerate(turns):
+            is_last = number == len(turns) - 1
+            if turn.prefill.width > 0:
+                keys, values = self.mixed_prefill(turn.prefill, sequence, cache)
+                cache = TrainingCache.extend(cache, keys, values, turn.prefill.mask)
+            turn_logits, recorded = self.answer_pass(turn.answer, sequence, cache, record=not is_last)
+            logits.append(turn_logits)
+            if not is_last:
+                cache = TrainingCache.extend(cache, *recorded, turn.answer.mask)
+        return logits
+
+    def mixed_prefill(self, chunk: Chunk, sequence: torch.Tensor, cache: TrainingCache | None) -> KeyValues:
+        """Steps 1-3 for one instruction segment: both prompt passes over its chunk, then the per-layer mix."""
+        return self.read_twice(
+            lambda: _pass_cache(cache, self.model, record=True, stop_after_last_record=self.stop_early),
+            **chunk.pass_inputs(sequence, None if cache is None else cache.mask),
+        )
+
+    def read_twice(self, recording_cache: Callable[[], Cache], **inputs: torch.Tensor) -> KeyValues:
+        """Steps 1-3, for training and generation alike: the bidirectional then the causal prompt pass over `inputs`,
+        each recording into a fresh `recording_cache()`; returns the per-layer mix (keys, values) of the two
+        records."""
+        recorded = {}
+        for weight_set in (BIDIRECTIONAL, CAUSAL):
+            recorded[weight_set] = recording_cache()
+            self.prompt_pass(weight_set, recorded[weight_set], **inputs)
+            self._gather_shards_for_recorded(recorded[weight_set])
+        return mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer)
+
+    def prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: torch.Tensor) -> None:
+        """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used; a
+        cache that stops the pass after its last layer's keys/values ends it there)."""
+        is_causal = weight_set == CAUSAL or self.second_pass_attention == CAUSAL
+        with self.weights(weight_set):
+            try:
+                decoder = decoder_of(self.model)
+                decoder(**compat.with_cache(decoder, cache), use_cache=False, is_causal=is_causal, **inputs)
+            except PromptPassComplete:
+                pass
+
+    def answer_pass(
+        self, chunk: Chunk, sequence: torch.Tensor, cache: TrainingCache | None, record: bool
+    ) -> tuple[torch.Tensor, KeyValues | None]:
+        """Step 4: x_m and the answer, causal weights, over the cache. Returns logits and, if `record`, the chunk's
+        causal keys/values."""
+        answer_cache = _pass_cache(cache, self.model, record=record)
+        with self.weights(CAUSAL):
+            output = self.model(
+                **chunk.pass_inputs(sequence, None if cache is None else cache.mask),
+                **compat.with_cache(self.model, answer_cache),
+                use_cache=False,
+            )
+        return output.logits, (recorded_key_values(answer_cache) if record else None)
+
+    def _gather_shards_for_recorded(self, cache: Cache) -> None:
+        """Under FSDP2, the keys/values a prompt pass recorded leave each decoder layer through the cache, not through
+        the layer's output (which the last layer's prompt pass never uses): have their gradient gather the layer's
+        parameters first (see `peft_bitune.sharding`)."""
+        paths = self.decoder_layer_paths
+        if not torch.is_grad_enabled() or len(paths) != len(cache.layers):
+            return  # nothing to gather for, or no one-to-one map from cache to decoder layers (`check_sharding`)
+        for path, layer in zip(paths, cache.layers):
+            if layer.recorded_keys is not None:
+                unshard_before_backward((layer.recorded_keys, layer.recorded_values), path.fsdp_unit())
+
+
+def answer_loss(
+    logits: list[torch.Tensor], labels: list[torch.Tensor], num_items_in_batch: int | torch.Tensor | None
+) -> torch.Tensor:
+    """Next-token cross-entropy, summed over the supervised answer positions of every turn, averaged like
+    transformers does (over `num_items_in_batch` when the Trainer gives it)."""
+    loss = sum(
+        F.cross_entropy(
+            turn_logits.float().reshape(-1, turn_logits.shape[-1]),
+            turn_labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        for turn_logits, turn_labels in zip(logits, labels)
+    )
+    if num_items_in_batch is None:
+        num_items_in_batch = sum((turn_labels != IGNORE_INDEX).sum() for turn_labels in labels)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+@dataclass
+class TrainingCache:
+    """
+    The keys/values a training batch has built so far: one tensor per layer, with its mask.
+
+    It is kept left-padded (each row's real positions at the right end), so that the next chunk, right-padded, gives
+    each row one contiguous run of real tokens: all that transformers' mask machinery needs (see `layout.py`).
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    mask: torch.Tensor
+
+    @classmethod
+    def extend(
+        cls, cache: TrainingCache | None, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor
+    ) -> TrainingCache:
+        """Append a chunk; a right-padded chunk after a cache is padded to the left again (a gather per layer)."""
+        if cache is None:
+            return cls(keys, values, mask)
+        mask = torch.cat([cache.mask, mask], dim=1)
+        keys = [torch.cat([old, new], dim=-2) for old, new in zip(cache.keys, keys)]
+        values = [torch.cat([old, new], dim=-2) for old, new in zip(cache.values, values)]
+        repadded = repad_left(mask, *keys, *values)
+        count = len(keys)
+        return cls(list(repadded[1 : 1 + count]), list(repadded[1 + count :]), repadded[0])
+
+
+def repad_left(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """
+    Pad each row on the left: move its real positions to the right end (padding first, order kept) and drop columns
+    that are padding in every row. `mask` is (rows, seq); each tensor is (rows, heads, seq, head_dim). Returns the
+    mask, then the tensors.
+    """
+    order = torch.sort(mask.int(), dim=1, stable=True).indices
+    drop = int((mask == 0).sum(dim=1).min())
+    order = order[:, drop:]
+    repadded = [mask.gather(1, order)]
+    for tensor in tensors:
+        index = order[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+        repadded.append(tensor.gather(2, index))
+    return tuple(repadded)
+
+
+def _pass_cache(
+    cache: TrainingCache | None, model: nn.Module, record: bool, stop_after_last_record: bool = False
+) -> Cache:
+    """A pass cache over what the batch has built so far (nothing for its first pass)."""
+    keys, values = (None, None) if cache is None else (cache.keys, cache.values)
+    return pass_cache(num_layers(model), keys, values, record=record, stop_after_last_record=stop_after_last_record)
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The decoder stack under the LM head (e.g. `LlamaModel` inside `LlamaForCausalLM`)."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.base_model

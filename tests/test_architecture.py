@@ -1,0 +1,115 @@
+"""The package's structure, read from its source: no import cycle among its modules (imports at the top and inside
+functions alike), and every public top-level name defined in one module only."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("peft_bitune", "trl_integration")
+# Names that several modules define on purpose: each command-line module's entry point, each module's own logger.
+SHARED_BY_DESIGN = {"main", "logger"}
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the packages, by dotted name (a package by the name of its `__init__.py`)."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules that module `name` imports anywhere in its source. `from X import y` imports the module
+    `X.y` if there is one, else `X`; the parent packages Python imports on the way are not counted (they are not the
+    module's own choice, and every submodule would otherwise import its package's `__init__`)."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            source = ".".join(part for part in (base, node.module or "") if part)
+            targets = [
+                f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source for alias in node.names
+            ]
+        else:
+            continue
+        imported.update(target for target in targets if target in modules and target != name)
+    return imported
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (its modules in order, the first repeated at the end), or `None`."""
+    done, path = set(), []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module) :] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for imported in sorted(graph.get(module, ())):
+            cycle = visit(imported)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        cycle = visit(module)
+        if cycle:
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_import_graph_sees_imports_at_the_top_and_inside_functions():
+    graph = import_graph()
+    assert "peft_bitune.common" in graph["peft_bitune.model"]  # `from .common import (...)`
+    assert "peft_bitune.compat" in graph["peft_bitune.model"]  # `from . import compat`
+    assert "peft_bitune.model_card" in graph["trl_integration.trainer"]  # imported inside a method
+    assert "peft_bitune" in graph["trl_integration.trainer"]  # `from peft_bitune import ...`: the package itself
+
+
+def test_the_packages_have_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, f"Import cycle: {' -> '.join(cycle)}. Move what both sides need to a lower module."
+
+
+def test_the_shared_module_imports_nothing_from_the_package():
+    assert import_graph()["peft_bitune.common"] == set()
+
+
+def test_every_public_top_level_name_is_defined_once():
+    defined = defaultdict(list)
+    for name, path in package_modules().items():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [target.id for target in node.targets if isinstance(target, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            else:
+                continue
+            for defined_name in names:
+                if not defined_name.startswith("_") and defined_name not in SHARED_BY_DESIGN:
+                    defined[defined_name].append(name)
+    twice = {name: modules for name, modules in defined.items() if len(modules) > 1}
+    assert not twice, f"Defined in more than one module (define each once, import it elsewhere): {twice}"

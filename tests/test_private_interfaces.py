@@ -1,0 +1,212 @@
+"""The private attributes and methods of transformers, PEFT, torch and accelerate that peft-bitune relies on (all used
+through peft_bitune/compat.py): one test each, checking that the installed release still behaves as compat.py assumes,
+so that an upgrade that moves one fails here, by name, instead of silently changing what Bitune computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB
+from peft import PeftType
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from reference import make_bitune
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from peft_bitune import BituneConfig, compat
+from peft_bitune.caches import pass_cache
+from peft_bitune.common import BITUNE_TYPE_NAME, inner_adapter_name, num_layers
+
+UPGRADE = "The installed {library} no longer {does}: update `peft_bitune.compat.{function}` for this release."
+
+
+def first_tuner_layer(model: nn.Module) -> BaseTunerLayer:
+    return next(module for module in model.modules() if isinstance(module, BaseTunerLayer))
+
+
+def checkpoint_layers(model: nn.Module) -> list[GradientCheckpointingLayer]:
+    return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+
+
+# ------------------------------------------------------------------------------------------------------------ PEFT
+def test_peft_tuner_layers_route_to_the_adapters_in__active_adapter(load_base):
+    model = make_bitune(load_base("llama"))
+    layer = first_tuner_layer(model)
+    bidirectional = inner_adapter_name("default", "bidirectional")
+    compat.route_layers([layer], [bidirectional])
+    assert layer.active_adapters == [bidirectional], UPGRADE.format(
+        library="PEFT", does="keeps a tuner layer's active adapters in `_active_adapter`", function="route_layers"
+    )
+    assert compat.routed_adapters(layer) == [bidirectional]
+
+
+def test_peft_type_enum_takes_a_new_member():
+    member = compat.add_peft_type(BITUNE_TYPE_NAME)
+    found = (PeftType[BITUNE_TYPE_NAME] is member, PeftType(BITUNE_TYPE_NAME) is member, member in list(PeftType))
+    assert found == (True, True, True), UPGRADE.format(
+        library="PEFT", does="has `PeftType` as a plain str Enum (`_member_map_`, ...)", function="add_peft_type"
+    )
+    assert member.value == BITUNE_TYPE_NAME and isinstance(member, str)
+
+
+def test_peft_finds_the_tuner_state_by_its_key_prefixes(load_base):
+    model = make_bitune(load_base("llama"))
+    state = compat.tuner_state(model, model.state_dict())
+    message = UPGRADE.format(
+        library="PEFT",
+        does="selects a tuner's state with `_get_tuner_state_dict_key_prefixes`",
+        function="tuner_state",
+    )
+    assert state, message
+    assert all("lora_" in key or "bitune_mixers" in key for key in state), message
+    assert any("bitune_mixers" in key for key in state), message
+
+
+def test_peft_config_splits_off_the_hub_arguments():
+    split = compat.hub_kwargs(BituneConfig, {"revision": "v1", "cache_dir": "/tmp/c", "mix_init": 0.5, "other": 1})
+    assert split == {"revision": "v1", "cache_dir": "/tmp/c"}, UPGRADE.format(
+        library="PEFT", does="splits `from_pretrained` kwargs with `PeftConfig._split_kwargs`", function="hub_kwargs"
+    )
+
+
+@pytest.mark.parametrize("hook", compat.OVERRIDDEN_TUNER_HOOKS)
+def test_peft_tuners_still_have_the_hooks_bitune_overrides(hook):
+    assert hasattr(BaseTuner, hook), (
+        f"PEFT's BaseTuner no longer has `{hook}`, which BituneModel overrides: PEFT would no longer call the "
+        "override. Find what replaced it and update BituneModel (and `compat.OVERRIDDEN_TUNER_HOOKS`)."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- transformers
+def test_transformers_checkpointed_layers_keep_their_checkpoint_function(load_base):
+    base = load_base("llama")
+    compat.enable_checkpointing(base, use_reentrant=False)
+    layers = checkpoint_layers(base)
+    message = UPGRADE.format(
+        library="transformers",
+        does="keeps a layer's checkpoint function (a partial of torch's) in `_gradient_checkpointing_func`",
+        function="uses_reentrant_checkpointing",
+    )
+    assert [compat.uses_reentrant_checkpointing(layer) for layer in layers] == [False] * len(layers), message
+    compat.enable_checkpointing(base, use_reentrant=True)
+    assert [compat.uses_reentrant_checkpointing(layer) for layer in layers] == [True] * len(layers), message
+
+
+def test_transformers_checkpointed_layers_keep_a_cache_when_told_so(load_base):
+    base = load_base("llama").train()
+    compat.enable_checkpointing(base, use_reentrant=False)
+    layers, calls = checkpoint_layers(base), []
+    input_ids = torch.randint(3, VOCAB, (1, 5))
+
+    def counted(checkpoint):
+        def wrapped(*args, **kwargs):
+            calls.append(1)
+            return checkpoint(*args, **kwargs)
+
+        return wrapped
+
+    def recorded_layers() -> int:
+        cache = pass_cache(num_layers(base), record=True)
+        base(input_ids=input_ids, **compat.with_cache(base, cache), use_cache=False)
+        return sum(layer.recorded_keys is not None for layer in cache.layers)
+
+    assert recorded_layers() == 0  # transformers drops the cache of a checkpointed layer by default
+    with compat.checkpointed_layers_keep_caches(layers, counted):
+        kept = recorded_layers()
+    assert (kept, len(calls)) == (num_layers(base), len(layers)), UPGRADE.format(
+        library="transformers",
+        does="keeps the cache of a checkpointed layer with `_can_checkpoint_with_cache`, or checkpoints through "
+        "`_gradient_checkpointing_func`",
+        function="checkpointed_layers_keep_caches",
+    )
+    assert "_can_checkpoint_with_cache" not in vars(layers[0])  # restored: the class default applies again
+    assert recorded_layers() == 0
+
+
+def test_transformers_resolves_and_checks_generation_arguments(load_base):
+    base = load_base("llama")
+    message = UPGRADE.format(
+        library="transformers", does="resolves `generate`'s arguments in `_prepare_generation_config`",
+        function="resolved_generation_config",
+    )
+    assert compat.resolved_generation_config(base, {"max_new_tokens": 3, "do_sample": False}).max_new_tokens == 3, (
+        message
+    )
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        compat.resolved_generation_config(base, {"max_new_tokens": 0})
+
+
+def test_transformers_infers_the_attention_mask_from_the_pad_token(load_base):
+    base = load_base("llama")
+    generation_config = compat.resolved_generation_config(base, {"pad_token_id": 0, "eos_token_id": 2})
+    input_ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    mask = compat.inferred_attention_mask(base, input_ids, generation_config)
+    assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]], UPGRADE.format(
+        library="transformers",
+        does="infers the attention mask with `_prepare_special_tokens` and `_prepare_attention_mask_for_generation`",
+        function="inferred_attention_mask",
+    )
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_transformers_config_names_the_attention_implementation(load_base, implementation):
+    base = load_base("llama", attn_implementation=implementation)
+    assert compat.attention_implementation(base) == implementation, UPGRADE.format(
+        library="transformers", does="names the attention implementation in `config._attn_implementation`",
+        function="attention_implementation",
+    )
+
+
+# ------------------------------------------------------------------------------------------- torch and accelerate
+def test_torch_forward_hooks_are_found():
+    module = nn.Linear(2, 2)
+    message = UPGRADE.format(
+        library="torch", does="keeps forward hooks in `_forward_hooks`/`_forward_pre_hooks`/`_global_forward_hooks`",
+        function="forwards_are_hooked",
+    )
+    assert not compat.forwards_are_hooked([module]), message
+    handle = module.register_forward_pre_hook(lambda *args: None)
+    assert compat.forwards_are_hooked([module]), message
+    handle.remove()
+    handle = module.register_forward_hook(lambda *args: None)
+    assert compat.forwards_are_hooked([module]), message
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        assert compat.forwards_are_hooked([module]), message
+    finally:
+        handle.remove()
+    assert not compat.forwards_are_hooked([module])
+
+
+def test_accelerate_hooks_are_found():
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    module = nn.Linear(2, 2)
+    add_hook_to_module(module, ModelHook())
+    assert compat.forwards_are_hooked([module]), UPGRADE.format(
+        library="accelerate", does="marks a hooked module with `_hf_hook`", function="forwards_are_hooked"
+    )
+    remove_hook_from_module(module)
+    assert not compat.forwards_are_hooked([module])
+
+
+def test_torch_marks_the_modules_fsdp_manages(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_available():
+        pytest.fail("This torch build has no torch.distributed, which peft-bitune's FSDP support needs.")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        assert not compat.is_fsdp_managed(model[0])
+        fully_shard(model[0])
+        fully_shard(model)
+        message = UPGRADE.format(
+            library="torch", does="marks modules under FSDP with `_is_fsdp_managed_module`", function="is_fsdp_managed"
+        )
+        assert compat.is_fsdp_managed(model[0]) and compat.is_fsdp_managed(model), message
+        assert compat.forwards_are_hooked([model[0]]), message
+    finally:
+        dist.destroy_process_group()
