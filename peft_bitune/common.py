@@ -59,6 +59,16 @@ def num_layers(model: Any) -> int:
     return text_config(model).num_hidden_layers
 
 
+def check_fits_positions(longest: int, max_positions: int | None, what: str) -> None:
+    """Refuse `what` ("A row", "A prompt") of `longest` tokens if the model has fewer positions: nothing is truncated
+    silently."""
+    if max_positions is not None and longest > max_positions:
+        raise ValueError(
+            f"{what} has {longest} tokens, more than the model's {max_positions} positions; shorten it (nothing is "
+            "truncated silently)."
+        )
+
+
 def check_mask_shape(input_ids: Any, attention_mask: Any) -> None:
     """Refuse an attention mask whose shape is not that of the token ids it goes with."""
     if tuple(attention_mask.shape) != tuple(input_ids.shape):

@@ -10,14 +10,13 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
-from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
+from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
 
 from . import compat
-from .hub import has_only_pickled_weights
+from .hub import has_only_pickled_weights, refuse_pickled_weights_in
 from .model_card import write_model_card
 
 _UPGRADE = "It was probably written by a newer version; upgrade with `pip install -U {package}`."
@@ -51,13 +50,7 @@ class BituneConfigFileMixin:
 
     def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
         """Write `adapter_config.json` and the model card, in a folder that holds no pickled weights."""
-        if os.path.isfile(os.path.join(save_directory, WEIGHTS_NAME)):
-            raise ValueError(
-                f"'{save_directory}' holds {WEIGHTS_NAME} (a pickle, e.g. from `save_pretrained(..., "
-                f"safe_serialization=False)`), which peft-bitune never reads. Bitune adapters are saved as "
-                f"{SAFETENSORS_WEIGHTS_NAME} only: delete {WEIGHTS_NAME} and save without `safe_serialization=False`. "
-                "adapter_config.json was not written."
-            )
+        refuse_pickled_weights_in(save_directory, f"{CONFIG_NAME} was not written.")
         super().save_pretrained(save_directory, **kwargs)
         write_model_card(save_directory, self, location=str(save_directory))
 

@@ -16,7 +16,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from . import compat
 from .caches import BituneCache, append_key_values, pass_cache, reading_pass_cache
-from .common import CAUSAL, check_mask_shape, format_rows, max_positions, text_config
+from .common import CAUSAL, max_positions, text_config
+from .inputs import attention_mask_for, check_not_empty, check_prompts, has_holes, positions_for
 
 
 class BituneGenerationMixin:
@@ -34,7 +35,7 @@ class BituneGenerationMixin:
             input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the prompts, left-padded.
             attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
         """
-        attention_mask = _check_prompts(input_ids, attention_mask, max_positions(self.model))
+        attention_mask = check_prompts(input_ids, attention_mask, max_positions(self.model))
         with _checkpointing_off(self._module_index().checkpoint_layers):
             return self._prefill_cache(input_ids, attention_mask)
 
@@ -80,7 +81,7 @@ class BituneGenerationMixin:
         input_ids = kwargs.get("input_ids")
         if input_ids is None:
             raise ValueError("Bitune `generate` needs `input_ids`: the prompt is read twice by token.")
-        _check_not_empty(input_ids)
+        check_not_empty(input_ids)
         with _checkpointing_off(self._module_index().checkpoint_layers):
             return self._generate(input_ids, kwargs)
 
@@ -93,7 +94,7 @@ class BituneGenerationMixin:
         if attention_mask is None:
             attention_mask = compat.inferred_attention_mask(self.model, input_ids, generation_config)
         if cache is None:
-            attention_mask = _check_prompts(input_ids, attention_mask, max_positions(self.model))
+            attention_mask = check_prompts(input_ids, attention_mask, max_positions(self.model))
             with torch.no_grad():
                 cache = self._prefill_cache(input_ids, attention_mask)
             if expand > 1:
@@ -153,7 +154,7 @@ class BituneGenerationMixin:
         cache.check_continuation(input_ids, attention_mask)
         if not bool(attention_mask[:, -1].bool().all()):
             raise ValueError("The new instruction must be left-padded: every row must end with a real token.")
-        if any(cache.is_sliding) and _has_holes(attention_mask):
+        if any(cache.is_sliding) and has_holes(attention_mask):
             raise ValueError(
                 "This model has sliding-window layers, whose window is counted in cache columns, and the conversation "
                 "has padding between real tokens (rows whose turns have different lengths). Continue such "
@@ -207,63 +208,6 @@ def _checkpointing_off(checkpoint_layers: Iterable[GradientCheckpointingLayer]) 
     finally:
         for layer in layers:
             layer.gradient_checkpointing = True
-
-
-def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """The given attention mask, checked against `input_ids`, or all ones when none is given."""
-    if attention_mask is None:
-        return torch.ones_like(input_ids)
-    check_mask_shape(input_ids, attention_mask)
-    return attention_mask
-
-
-def positions_for(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Ordinary position ids, as transformers' `generate` computes them: real tokens counted from 0."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def _has_holes(attention_mask: torch.Tensor) -> bool:
-    valid = attention_mask.bool()
-    starts = valid.int().argmax(dim=1)
-    expected = torch.arange(valid.shape[1], device=valid.device)[None, :] >= starts[:, None]
-    return bool((valid != expected).any())
-
-
-def _check_not_empty(input_ids: torch.Tensor) -> None:
-    if input_ids.dim() != 2 or 0 in input_ids.shape:
-        raise ValueError(
-            f"`input_ids` must be a non-empty (batch_size, seq_len) tensor, got shape {tuple(input_ids.shape)}: "
-            "give at least one prompt of at least one token."
-        )
-
-
-def _check_prompts(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_positions: int | None
-) -> torch.Tensor:
-    """Refuse empty, right-padded, holed or over-long prompts before any compute; returns the attention mask."""
-    _check_not_empty(input_ids)
-    attention_mask = attention_mask_for(input_ids, attention_mask)
-    valid = attention_mask.bool()
-    lengths = valid.sum(dim=1)
-    if bool((lengths == 0).any()):
-        rows = format_rows((lengths == 0).nonzero().flatten().tolist())
-        raise ValueError(
-            f"Prompt rows {rows} are empty (attention_mask all 0); every prompt needs at least one token."
-        )
-    if not bool(valid[:, -1].all()):
-        rows = format_rows((~valid[:, -1]).nonzero().flatten().tolist())
-        raise ValueError(
-            f"Prompt rows {rows} are right-padded. Bitune generation continues every prompt from its last token, so "
-            "prompts must be left-padded: set `tokenizer.padding_side = 'left'`."
-        )
-    if _has_holes(attention_mask):
-        raise ValueError("Prompts have padding between real tokens; pad on the left only.")
-    if max_positions is not None and int(lengths.max()) > max_positions:
-        raise ValueError(
-            f"A prompt has {int(lengths.max())} tokens, more than the model's {max_positions} positions; shorten it "
-            "(nothing is truncated silently)."
-        )
-    return attention_mask
 
 
 def _generation_config(model: Any, kwargs: dict[str, Any]) -> Any:

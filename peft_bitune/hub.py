@@ -73,6 +73,17 @@ def push_to_hub(
         )
 
 
+def refuse_pickled_weights_in(folder: str, not_done: str) -> None:
+    """Refuse to save into a folder that holds `adapter_model.bin` (a pickle), which peft-bitune never reads; the
+    error ends with `not_done`, what was therefore not written."""
+    if os.path.isfile(os.path.join(folder, WEIGHTS_NAME)):
+        raise ValueError(
+            f"'{folder}' holds {WEIGHTS_NAME} (a pickle, e.g. from an earlier `save_pretrained(..., "
+            f"safe_serialization=False)`), which peft-bitune never reads. Bitune adapters are saved as "
+            f"{SAFETENSORS_WEIGHTS_NAME} only: delete {WEIGHTS_NAME}, or save into another folder. {not_done}"
+        )
+
+
 def has_only_pickled_weights(model_id: str, subfolder: str | None = None, **hub_kwargs: Any) -> bool:
     """
     Whether PEFT would read `adapter_model.bin` (a pickle) for this adapter because there is no

@@ -38,6 +38,7 @@ from .common import (
 )
 from .config import BituneConfig
 from .generation import BituneGenerationMixin
+from .inputs import check_training_arguments
 from .layout import ConversationLayout
 from .mixing import BituneKVMixer
 from .passes import BitunePasses, answer_loss, decoder_of
@@ -234,10 +235,17 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         """The mixing scalars of the active adapter."""
         return self.bitune_mixers[self.active_adapter]
 
-    def get_mixing_coefficients(self) -> dict[str, torch.Tensor]:
-        """The alphas of the active adapter: `{"keys": (num_layers,), "values": (num_layers,)}`, detached, float32."""
-        key_alpha, value_alpha = self.mixer.coefficients()
+    def get_mixing_coefficients(self, adapter_name: str | None = None) -> dict[str, torch.Tensor]:
+        """The alphas of an adapter (the active one by default): `{"keys": (num_layers,), "values": (num_layers,)}`,
+        detached, float32."""
+        adapter_name = self.active_adapter if adapter_name is None else adapter_name
+        self._check_adapter_exists(adapter_name)
+        key_alpha, value_alpha = self.bitune_mixers[adapter_name].coefficients()
         return {"keys": key_alpha.detach(), "values": value_alpha.detach()}
+
+    def _check_adapter_exists(self, adapter_name: str) -> None:
+        if adapter_name not in self.peft_config:
+            raise ValueError(f"Adapter `{adapter_name}` not found; available: {sorted(self.peft_config)}.")
 
     def _adapters_disabled(self) -> bool:
         return any(layer.disable_adapters for layer in self._tuner_layers())
@@ -251,8 +259,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                     "prompt passes and mixing, which do not add up."
                 )
             adapter_name = adapter_name[0]
-        if adapter_name not in self.peft_config:
-            raise ValueError(f"Adapter `{adapter_name}` not found; available: {sorted(self.peft_config)}.")
+        self._check_adapter_exists(adapter_name)
         self.active_adapter = adapter_name
         if inference_mode:
             self.peft_config[adapter_name].inference_mode = True
@@ -423,7 +430,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                 f"The batch is empty (input of shape {tuple(sequence.shape)}): give at least one row of at least one "
                 "token."
             )
-        _check_extra_forward_arguments(kwargs, sequence.shape[:2], attention_mask, max_positions(self.model))
+        check_training_arguments(kwargs, sequence.shape[:2], attention_mask, max_positions(self.model))
         layout = ConversationLayout.from_inputs(
             sequence.shape,
             attention_mask,
@@ -450,68 +457,6 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             second_pass_attention=self.peft_config[self.active_adapter].second_pass_attention,
             stop_early=self._prompt_passes_may_stop_early(),
             decoder_layer_paths=self._module_index().decoder_layer_paths,
-        )
-
-
-# Arguments of a transformers forward that the Bitune training forward cannot hand to its passes, and why.
-_ARGUMENTS_BITUNE_SETS_PER_PASS = {
-    "cache_position": "each of the three passes has its own cache positions, which Bitune computes",
-    "logits_to_keep": "the answer pass already computes logits at the answer positions only (the output is zero "
-    "before them), and the loss needs all of them",
-    "token_type_ids": "it is not split into the instruction and answer passes",
-}
-
-
-def _check_extra_forward_arguments(
-    kwargs: dict[str, Any], shape: tuple[int, int], attention_mask: torch.Tensor | None, max_positions: int | None
-) -> None:
-    """
-    Refuse, before any compute, what the training forward cannot run as asked. Its passes cover different parts of
-    each row, so an argument of the model's forward would reach only one of them: none is passed on. `position_ids`
-    are accepted only when they are the ordinary ones every pass uses anyway, `logits_to_keep` only as 0 (all), and
-    `None` values; everything else is refused by name. Rows longer than the model's positions are refused, as
-    `generate` does.
-    """
-    valid = torch.ones(shape, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    if max_positions is not None and shape[1] > max_positions:
-        longest = int(valid.sum(dim=1).max())
-        if longest > max_positions:
-            raise ValueError(
-                f"A row has {longest} tokens, more than the model's {max_positions} positions; shorten it (nothing is "
-                "truncated silently)."
-            )
-    for name, value in kwargs.items():
-        if value is None or (name == "logits_to_keep" and isinstance(value, int) and value == 0):
-            continue
-        if name == "position_ids":
-            _check_ordinary_positions(value, valid)
-            continue
-        reason = _ARGUMENTS_BITUNE_SETS_PER_PASS.get(
-            name, "it runs each row in three passes of different lengths, and the argument would reach only one"
-        )
-        raise ValueError(f"The Bitune training forward does not accept `{name}`: {reason}. Remove it.")
-
-
-def _check_ordinary_positions(position_ids: torch.Tensor, valid: torch.Tensor) -> None:
-    """Accept `position_ids` only where they are the positions every pass gets anyway: 0, 1, ... over each row's real
-    tokens (padding ignored)."""
-    valid = valid.to(position_ids.device)
-    try:
-        position_ids = position_ids.expand(valid.shape)
-    except RuntimeError:
-        raise ValueError(
-            f"`position_ids` has shape {tuple(position_ids.shape)} but the input has shape {tuple(valid.shape)}."
-        ) from None
-    ordinary = valid.long().cumsum(dim=1) - 1
-    differ = valid & (position_ids != ordinary)
-    if bool(differ.any()):
-        row, column = (int(i) for i in differ.nonzero()[0])
-        raise ValueError(
-            f"`position_ids` differ from the ordinary positions (0, 1, ... over each row's real tokens) that every "
-            f"Bitune pass uses: row {row}, column {column} is {int(position_ids[row, column])}, not "
-            f"{int(ordinary[row, column])}. Positions that restart within a row come from packing several sequences "
-            "into one (`packing=True` or `padding_free=True` in TRL), which Bitune does not support: train on padded "
-            "batches. Otherwise remove `position_ids`."
         )
 
 

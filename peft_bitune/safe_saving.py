@@ -21,6 +21,7 @@ from peft import PeftModel
 from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
 from torch import nn
 
+from .hub import refuse_pickled_weights_in
 from .model import BituneModel
 
 _registration_hook: Any = None
@@ -57,11 +58,5 @@ def save_pretrained_safetensors_only(model: nn.Module, save_directory: str, *arg
     selected = arguments.arguments.get("selected_adapters") or list(model.peft_config)
     for adapter_name in selected:
         folder = save_directory if adapter_name == "default" else os.path.join(save_directory, adapter_name)
-        if os.path.isfile(os.path.join(folder, WEIGHTS_NAME)):
-            raise ValueError(
-                f"'{folder}' holds {WEIGHTS_NAME} (a pickle, e.g. from an earlier `save_pretrained(..., "
-                f"safe_serialization=False)`), which peft-bitune never reads. Bitune adapters are saved as "
-                f"{SAFETENSORS_WEIGHTS_NAME} only: delete {WEIGHTS_NAME}, or save into another folder. Nothing was "
-                "written."
-            )
+        refuse_pickled_weights_in(folder, "Nothing was written.")
     return save(*arguments.args, **arguments.kwargs)

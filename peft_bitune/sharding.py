@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import compat
+
 if torch.distributed.is_available():
     from torch.distributed.fsdp import FSDPModule
 else:  # builds without distributed support cannot shard
@@ -88,7 +90,7 @@ def check_sharding(decoder_layer_paths: Sequence[LayerPath], num_cache_layers: i
             f"Bitune under FSDP2 maps each of the {num_cache_layers} cache layers to its decoder layer, but the "
             f"decoder of this model has {len(decoder_layer_paths)} checkpointable layers. Use DDP for this model."
         )
-    if not vars(mixers).get("_is_fsdp_managed_module", False):
+    if not compat.is_fsdp_managed(mixers):
         raise ValueError(
             "The decoder layers are sharded with `fully_shard`, but the Bitune mixing scalars are not: their "
             "gradients would not be averaged across processes and every process would train its own. Apply "

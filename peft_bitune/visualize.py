@@ -27,9 +27,9 @@ from torch import nn
 
 from . import compat
 from .callbacks import layer_log_key, mean_log_key
-from .common import BIDIRECTIONAL, CAUSAL, WeightSet, is_bitune_type, text_config
+from .common import BIDIRECTIONAL, CAUSAL, WeightSet, format_rows, is_bitune_type, text_config
 from .config import BituneConfig
-from .generation import attention_mask_for, positions_for
+from .inputs import attention_mask_for, positions_for
 from .mixing import BituneKVMixer
 from .model import BituneModel, find_bitune_tuner
 from .persistence import MIXER_CHECKPOINT_KEYS
@@ -37,6 +37,10 @@ from .persistence import MIXER_CHECKPOINT_KEYS
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+
+
+# The axis label of every plot of the mixing coefficients.
+_ALPHA_LABEL = "alpha (weight of the bidirectional cache)"
 
 
 @dataclass
@@ -181,7 +185,7 @@ def _prompt_pass_tokens(
     seq_len = valid.shape[1]
     lengths = valid.sum(dim=1)
     if bool((lengths < 2).any()):
-        rows = (lengths < 2).nonzero().flatten().tolist()
+        rows = format_rows((lengths < 2).nonzero().flatten().tolist())
         raise ValueError(
             f"Prompt rows {rows} have fewer than 2 tokens. The prompt passes read every token of the prompt but the "
             "last, so a prompt needs at least 2 tokens to have an attention map."
@@ -270,12 +274,8 @@ def mixing_coefficients(
     """
     if isinstance(source, (str, os.PathLike)):
         return _saved_mixing_coefficients(source, adapter_name)
-    bitune = _bitune_model(source)
-    adapter_name = bitune.active_adapter if adapter_name is None else adapter_name
-    if adapter_name not in bitune.bitune_mixers:
-        raise ValueError(f"Adapter `{adapter_name}` not found; available: {sorted(bitune.bitune_mixers)}.")
-    key_alpha, value_alpha = bitune.bitune_mixers[adapter_name].coefficients()
-    return {"keys": key_alpha.detach().cpu(), "values": value_alpha.detach().cpu()}
+    coefficients = _bitune_model(source).get_mixing_coefficients(adapter_name)
+    return {kind: alpha.cpu() for kind, alpha in coefficients.items()}
 
 
 def _saved_mixing_coefficients(directory: str | os.PathLike, adapter_name: str | None) -> dict[str, torch.Tensor]:
@@ -496,7 +496,7 @@ def plot_mixing_coefficients(
     ax.set_ylim(0.0, 1.0)
     ax.set_xticks(layers if num_layers <= 40 else range(0, num_layers, 4))
     ax.set_xlabel("layer")
-    ax.set_ylabel("alpha (weight of the bidirectional cache)")
+    ax.set_ylabel(_ALPHA_LABEL)
     ax.legend()
     ax.set_title(title or "Bitune mixing coefficients")
     _save(figure, path)
@@ -539,7 +539,7 @@ def plot_mixing_history(
         ax.set_ylim(0.0, 1.0)
         ax.set_xlabel("optimizer step")
         ax.set_title(kind)
-    axes[0].set_ylabel("alpha (weight of the bidirectional cache)")
+    axes[0].set_ylabel(_ALPHA_LABEL)
     if num_layers > 12:  # one colour bar instead of a long legend
         import matplotlib as mpl
 

@@ -1,0 +1,124 @@
+"""What a Bitune training forward or `generate` is given, checked before any compute.
+
+The passes cover different parts of each row, so some arguments of a transformers forward cannot be handed on, and
+Bitune's prompts and rows have shapes a plain causal LM does not require (left-padded prompts, one contiguous run of
+real tokens per row). Each check says what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .common import check_fits_positions, check_mask_shape, format_rows
+
+
+def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The given attention mask, checked against `input_ids`, or all ones when none is given."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids)
+    check_mask_shape(input_ids, attention_mask)
+    return attention_mask
+
+
+def positions_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Ordinary position ids, as transformers' `generate` computes them: real tokens counted from 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def has_holes(attention_mask: torch.Tensor) -> bool:
+    valid = attention_mask.bool()
+    starts = valid.int().argmax(dim=1)
+    expected = torch.arange(valid.shape[1], device=valid.device)[None, :] >= starts[:, None]
+    return bool((valid != expected).any())
+
+
+def check_not_empty(input_ids: torch.Tensor) -> None:
+    if input_ids.dim() != 2 or 0 in input_ids.shape:
+        raise ValueError(
+            f"`input_ids` must be a non-empty (batch_size, seq_len) tensor, got shape {tuple(input_ids.shape)}: "
+            "give at least one prompt of at least one token."
+        )
+
+
+def check_prompts(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_limit: int | None
+) -> torch.Tensor:
+    """Refuse empty, right-padded, holed or over-long prompts before any compute; returns the attention mask."""
+    check_not_empty(input_ids)
+    attention_mask = attention_mask_for(input_ids, attention_mask)
+    valid = attention_mask.bool()
+    lengths = valid.sum(dim=1)
+    if bool((lengths == 0).any()):
+        rows = format_rows((lengths == 0).nonzero().flatten().tolist())
+        raise ValueError(
+            f"Prompt rows {rows} are empty (attention_mask all 0); every prompt needs at least one token."
+        )
+    if not bool(valid[:, -1].all()):
+        rows = format_rows((~valid[:, -1]).nonzero().flatten().tolist())
+        raise ValueError(
+            f"Prompt rows {rows} are right-padded. Bitune generation continues every prompt from its last token, so "
+            "prompts must be left-padded: set `tokenizer.padding_side = 'left'`."
+        )
+    if has_holes(attention_mask):
+        raise ValueError("Prompts have padding between real tokens; pad on the left only.")
+    check_fits_positions(int(lengths.max()), position_limit, "A prompt")
+    return attention_mask
+
+
+# Arguments of a transformers forward that the Bitune training forward cannot hand to its passes, and why.
+_ARGUMENTS_BITUNE_SETS_PER_PASS = {
+    "cache_position": "each of the three passes has its own cache positions, which Bitune computes",
+    "logits_to_keep": "the answer pass already computes logits at the answer positions only (the output is zero "
+    "before them), and the loss needs all of them",
+    "token_type_ids": "it is not split into the instruction and answer passes",
+}
+
+
+def check_training_arguments(
+    kwargs: dict[str, Any], shape: tuple[int, int], attention_mask: torch.Tensor | None, position_limit: int | None
+) -> None:
+    """
+    Refuse, before any compute, what the training forward cannot run as asked. Its passes cover different parts of
+    each row, so an argument of the model's forward would reach only one of them: none is passed on. `position_ids`
+    are accepted only when they are the ordinary ones every pass uses anyway, `logits_to_keep` only as 0 (all), and
+    `None` values; everything else is refused by name. Rows longer than the model's positions are refused, as
+    `generate` does.
+    """
+    valid = torch.ones(shape, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if position_limit is not None and shape[1] > position_limit:
+        check_fits_positions(int(valid.sum(dim=1).max()), position_limit, "A row")
+    for name, value in kwargs.items():
+        if value is None or (name == "logits_to_keep" and isinstance(value, int) and value == 0):
+            continue
+        if name == "position_ids":
+            _check_ordinary_positions(value, valid)
+            continue
+        reason = _ARGUMENTS_BITUNE_SETS_PER_PASS.get(
+            name, "it runs each row in three passes of different lengths, and the argument would reach only one"
+        )
+        raise ValueError(f"The Bitune training forward does not accept `{name}`: {reason}. Remove it.")
+
+
+def _check_ordinary_positions(position_ids: torch.Tensor, valid: torch.Tensor) -> None:
+    """Accept `position_ids` only where they are the positions every pass gets anyway: 0, 1, ... over each row's real
+    tokens (padding ignored)."""
+    valid = valid.to(position_ids.device)
+    try:
+        position_ids = position_ids.expand(valid.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"`position_ids` has shape {tuple(position_ids.shape)} but the input has shape {tuple(valid.shape)}."
+        ) from None
+    ordinary = valid.long().cumsum(dim=1) - 1
+    differ = valid & (position_ids != ordinary)
+    if bool(differ.any()):
+        row, column = (int(i) for i in differ.nonzero()[0])
+        raise ValueError(
+            f"`position_ids` differ from the ordinary positions (0, 1, ... over each row's real tokens) that every "
+            f"Bitune pass uses: row {row}, column {column} is {int(position_ids[row, column])}, not "
+            f"{int(ordinary[row, column])}. Positions that restart within a row come from packing several sequences "
+            "into one (`packing=True` or `padding_free=True` in TRL), which Bitune does not support: train on padded "
+            "batches. Otherwise remove `position_ids`."
+        )
