@@ -11,10 +11,13 @@ from peft.utils import PeftType, TaskType
 
 from .common import (
     BITUNE_TYPE_NAME,
+    CAUSAL,
     MULTI_TURN_MODES,
     SECOND_PASS_ATTENTIONS,
+    WEIGHT_SETS,
     MultiTurnMode,
     SecondPassAttention,
+    WeightSet,
 )
 from .config_files import BituneConfigFileMixin
 
@@ -152,6 +155,11 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
         if adapter_config.peft_type not in PEFT_TYPE_TO_TUNER_MAPPING:
             raise ValueError(f"`adapter_config` of type {peft_type} has no tuner registered in PEFT.")
         return adapter_config
+
+    @property
+    def weight_sets(self) -> tuple[WeightSet, ...]:
+        """The weight sets this adapter creates: both, or only the causal one with `shared_weights`."""
+        return (CAUSAL,) if self.shared_weights else WEIGHT_SETS
 
     def to_dict(self) -> dict[str, Any]:
         """The config as JSON-ready data, with the inner method's config nested as its own dict."""

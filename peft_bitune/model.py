@@ -90,7 +90,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                 f"All Bitune adapters of one model must use the same PEFT method; this model uses "
                 f"{type(inner).__name__}, and `{adapter_name}` asks for {config.adapter_config.peft_type}."
             )
-        for weight_set in self._weight_sets(config):
+        for weight_set in config.weight_sets:
             name = inner_adapter_name(adapter_name, weight_set)
             inner_config = copy.deepcopy(config.adapter_config)
             inner_config.inference_mode = config.inference_mode
@@ -113,9 +113,6 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         )
         self._route_layers_to(self._inner_names(self.active_adapter)[CAUSAL])
         self._apply_trainable_state()
-
-    def _weight_sets(self, config: BituneConfig) -> tuple[WeightSet, ...]:
-        return (CAUSAL,) if config.shared_weights else WEIGHT_SETS
 
     def _inner_names(self, adapter_name: str) -> dict[WeightSet, str]:
         """Inner adapter used by each pass; with shared weights both passes use the causal set."""

@@ -129,8 +129,7 @@ def _forget_refused_adapter(model: nn.Module, adapter_name: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------------- selection
 def _inner_names(config: Any, adapter_name: str) -> list[str]:
-    weight_sets = WEIGHT_SETS[:1] if config.shared_weights else WEIGHT_SETS
-    return [inner_adapter_name(adapter_name, weight_set) for weight_set in weight_sets]
+    return [inner_adapter_name(adapter_name, weight_set) for weight_set in config.weight_sets]
 
 
 def _inner_name_pattern(adapter_name: str) -> re.Pattern[str]:
