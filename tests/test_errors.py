@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import AdaLoraConfig, LoraConfig, PromptTuningConfig, get_peft_model
-
 from conftest import VOCAB
-from peft_bitune import BituneConfig
+from peft import AdaLoraConfig, LoraConfig, PromptTuningConfig, get_peft_model
 from reference import make_bitune
+
+from peft_bitune import BituneConfig
 
 
 @pytest.mark.parametrize(

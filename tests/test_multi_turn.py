@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn import functional as F
-
 from conftest import VOCAB
 from reference import make_bitune, reference_alternating, reference_row
+from torch.nn import functional as F
 
 # Each row: (instruction length, answer length) per turn, then trailing unsupervised tokens.
 ROWS = [

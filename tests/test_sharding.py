@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
 import sharded_training
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
