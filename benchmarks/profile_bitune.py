@@ -92,9 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         for model in pair.both().values():
             model.eval()
         kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
-        workloads = {name: (lambda model=model: _generate(model, prompts, kwargs)) for name, model in pair.both().items()}
-        prefills = {"lora": lambda: _generate(pair.lora, prompts, dict(kwargs, max_new_tokens=1, min_new_tokens=1)),
-                    "bitune": lambda: _generate(pair.bitune, prompts, dict(kwargs, max_new_tokens=1, min_new_tokens=1))}
+        workloads = {
+            name: (lambda model=model: _generate(model, prompts, kwargs)) for name, model in pair.both().items()
+        }
+        prefills = {
+            "lora": lambda: _generate(pair.lora, prompts, dict(kwargs, max_new_tokens=1, min_new_tokens=1)),
+            "bitune": lambda: _generate(pair.bitune, prompts, dict(kwargs, max_new_tokens=1, min_new_tokens=1)),
+        }
         print(f"Generation, batch {args.batch}, P={args.prompt}: generate(max_new_tokens=1), i.e. the prefill")
         print_operator_diff(operator_times(prefills["lora"], args.repeats),
                             operator_times(prefills["bitune"], args.repeats), args.top)
