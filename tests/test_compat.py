@@ -113,8 +113,11 @@ def test_bitune_calls_take_the_cache_under_either_name_but_once(load_base):
     first = model.generate(**prompts, **GREEDY)
     conversation = torch.cat([first.sequences, torch.tensor([[9, 10]])], dim=1)
     by_name = {
-        name: model.generate(input_ids=conversation, **{name: compat.output_cache(model.generate(**prompts, **GREEDY))},
-                             **GREEDY).sequences
+        name: model.generate(
+            input_ids=conversation,
+            **{name: compat.output_cache(model.generate(**prompts, **GREEDY))},
+            **GREEDY,
+        ).sequences
         for name in ("cache", "past_key_values")
     }
     assert torch.equal(by_name["cache"], by_name["past_key_values"])

@@ -289,7 +289,7 @@ def test_generate_until_is_bitune_generation_with_stop_sequences(load_base, toke
     assert [sample["resps"][0][0] for sample in samples] == expected
 
 
-# ---------------------------------------------------------------------------------------------------- transformers names
+# -------------------------------------------------------------------------------------------------- transformers names
 def harness_run(lm) -> tuple[list, list]:
     """What `bitune-eval` asks of the model: log-likelihoods (prefill + answer pass) and generations."""
     scores = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(

@@ -173,7 +173,9 @@ WORKER = textwrap.dedent(
             model = PeftModel.from_pretrained(base, job["adapter"], **job["kwargs"])
         model.eval()
         with torch.no_grad():
-            out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"])
+            out = model(
+                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"]
+            )
             generated = model.generate(input_ids=inputs["prompts"], attention_mask=inputs["prompt_mask"],
                                        max_new_tokens=6, do_sample=False, pad_token_id=0)
         results[job["name"] + ".logits"] = out.logits.contiguous()
@@ -384,7 +386,10 @@ def test_several_bitune_adapters_load_switch_and_save_separately(load_base, tmp_
 
     # Saving writes each adapter on its own (PEFT's filter of other adapters does not see inner names).
     model.save_pretrained(tmp_path / "both")
-    for folder, source in ((tmp_path / "both", tmp_path / "first"), (tmp_path / "both" / "task2", tmp_path / "second")):
+    for folder, source in (
+        (tmp_path / "both", tmp_path / "first"),
+        (tmp_path / "both" / "task2", tmp_path / "second"),
+    ):
         saved = load_file(folder / "adapter_model.safetensors")
         original = load_file(source / "adapter_model.safetensors")
         assert saved.keys() == original.keys()

@@ -206,7 +206,9 @@ def test_mixing_coefficients_from_model_and_from_saved_adapter(load_base, tmp_pa
 
 def test_mixing_coefficients_of_a_named_adapter(load_base, tmp_path):
     model = make_bitune(load_base("llama"))
-    model.add_adapter("second", BituneConfig(adapter_config=LoraConfig(r=4, target_modules="all-linear"), mix_scale=0.02))
+    model.add_adapter(
+        "second", BituneConfig(adapter_config=LoraConfig(r=4, target_modules="all-linear"), mix_scale=0.02)
+    )
     with torch.no_grad():
         model.base_model.bitune_mixers["second"].key_weights.copy_(torch.tensor([0.02, 0.06]))
         model.base_model.bitune_mixers["second"].value_weights.copy_(torch.tensor([0.0, 0.18]))
