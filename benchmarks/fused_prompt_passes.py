@@ -23,9 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
-
 from measure import Clock, Ratio, RoundPolicy, interleaved_rounds  # noqa: E402
 from models import MODEL_SIZES, build_pair, prompt_batch  # noqa: E402
+
 from peft_bitune.caches import pass_cache  # noqa: E402
 from peft_bitune.common import num_layers  # noqa: E402
 
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio = Ratio.from_rounds(interleaved_rounds(workloads, policy), "fused/t", "two/t")
             print(f"{'training' if train else 'inference':9s} {batch_size:5d} {prompt_length:4d} "
                   f"{1e3 * ratio.denominator_s:17.1f} {1e3 * ratio.numerator_s:16.1f} {ratio.value:6.3f}")
-    print("\nratio: one pass of 2B rows over two passes of B rows. Below 1, a fused forward could save at most 1 - ratio "
-          "of the prompt passes' time; at or above 1 it cannot win.")
+    print("\nratio: one pass of 2B rows over two passes of B rows. Below 1, a fused forward could save at most "
+          "1 - ratio of the prompt passes' time; at or above 1 it cannot win.")
     return 0
 
 

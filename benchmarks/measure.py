@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 
@@ -210,7 +210,8 @@ def peak_bytes_during(function: Callable[[], object], device: torch.device) -> i
 
 def linear_flops(function: Callable[[], object]) -> int:
     """
-    FLOPs of the plain matrix products (`mm`, `addmm`: linear layers, LoRA, the LM head) in one call, backward included.
+    FLOPs of the plain matrix products (`mm`, `addmm`: linear layers, LoRA, the LM head) in one call, backward
+    included.
 
     Attention is left out on purpose: its cost depends on the kernel (a causal kernel skips half the scores, a masked
     one does not), which a FLOP count cannot see.

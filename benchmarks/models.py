@@ -52,7 +52,8 @@ class ModelSize:
 
 MODEL_SIZES = {
     # For the smoke test only: every figure it gives is dominated by Python overhead.
-    "tiny": ModelSize(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    "tiny": ModelSize(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=512),
     # The CPU default.
     "small": ModelSize(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                        vocab_size=4096),

@@ -23,10 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
 from models import MODEL_SIZES, build_pair, prompt_batch, training_batch  # noqa: E402
 from suites import train_step  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 
 def operator_times(function: Callable[[], object], repeats: int) -> dict[str, tuple[float, int]]:
@@ -93,9 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         for model in pair.both().values():
             model.eval()
         kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
-        workloads = {name: (lambda model=model: _generate(model, prompts, kwargs)) for name, model in pair.both().items()}
-        prefills = {"lora": lambda: _generate(pair.lora, prompts, dict(kwargs, max_new_tokens=1, min_new_tokens=1)),
-                    "bitune": lambda: _generate(pair.bitune, prompts, dict(kwargs, max_new_tokens=1, min_new_tokens=1))}
+        workloads = {
+            name: (lambda model=model: _generate(model, prompts, kwargs)) for name, model in pair.both().items()
+        }
+        prefills = {
+            "lora": lambda: _generate(pair.lora, prompts, dict(kwargs, max_new_tokens=1, min_new_tokens=1)),
+            "bitune": lambda: _generate(pair.bitune, prompts, dict(kwargs, max_new_tokens=1, min_new_tokens=1)),
+        }
         print(f"Generation, batch {args.batch}, P={args.prompt}: generate(max_new_tokens=1), i.e. the prefill")
         print_operator_diff(operator_times(prefills["lora"], args.repeats),
                             operator_times(prefills["bitune"], args.repeats), args.top)

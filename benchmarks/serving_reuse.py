@@ -57,7 +57,9 @@ def build_model(name: str, device: str, dtype: torch.dtype, tokenizer):
     model.generation_config.pad_token_id = 0
     # Random weights pick any token; allow only those that decode to printable text on their own, so that every
     # answer token streams as text and its arrival can be timed.
-    model.generation_config.suppress_tokens = [i for i in range(len(tokenizer)) if not _printable(tokenizer.decode([i]))]
+    model.generation_config.suppress_tokens = [
+        i for i in range(len(tokenizer)) if not _printable(tokenizer.decode([i]))
+    ]
     return model
 
 
@@ -125,13 +127,20 @@ def measure(model_name: str, device: str, dtype: torch.dtype, rounds: int, max_t
                 if round_index > 0:  # round 0 warms up
                     runs[mode].append(rows)
     result = {
-        mode: [{key: (statistics.median(run[i][key] for run in mode_runs) if key.endswith("_s") else mode_runs[0][i][key])
-                for key in mode_runs[0][i]} for i in range(TURNS)]
+        mode: [
+            {
+                key: (statistics.median(run[i][key] for run in mode_runs) if key.endswith("_s")
+                      else mode_runs[0][i][key])
+                for key in mode_runs[0][i]
+            }
+            for i in range(TURNS)
+        ]
         for mode, mode_runs in runs.items()
     }
     reuse, full = result["reuse"], result["full_prefill"]
     result["totals"] = {
-        "read_tokens": {"reuse": sum(r["read_tokens"] for r in reuse), "full_prefill": sum(r["read_tokens"] for r in full)},
+        "read_tokens": {"reuse": sum(r["read_tokens"] for r in reuse),
+                        "full_prefill": sum(r["read_tokens"] for r in full)},
         "time_to_first_token_s": {"reuse": sum(r["time_to_first_token_s"] for r in reuse),
                                   "full_prefill": sum(r["time_to_first_token_s"] for r in full)},
     }
@@ -139,8 +148,13 @@ def measure(model_name: str, device: str, dtype: torch.dtype, rounds: int, max_t
 
 
 def table(name: str, result: dict) -> str:
-    lines = [f"### {name}", "", "| turn | prompt tokens | read with reuse | read without | first token with reuse (ms) | "
-             "without (ms) | turn with reuse (ms) | without (ms) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"### {name}",
+        "",
+        "| turn | prompt tokens | read with reuse | read without | first token with reuse (ms) | "
+        "without (ms) | turn with reuse (ms) | without (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for i, (reuse, full) in enumerate(zip(result["reuse"], result["full_prefill"]), start=1):
         lines.append(f"| {i} | {full['prompt_tokens']} | {reuse['read_tokens']} | {full['read_tokens']} | "
                      f"{reuse['time_to_first_token_s'] * 1e3:.1f} | {full['time_to_first_token_s'] * 1e3:.1f} | "
@@ -164,7 +178,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.rounds < 1 or (args.max_tokens is not None and args.max_tokens < 1):
         parser.error("--rounds and --max-tokens must be at least 1.")
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    if args.dtype:
+        dtype = getattr(torch, args.dtype)
+    else:
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     report = {
         "settings": {"turns": TURNS, "rounds": args.rounds, "device": args.device,
                      "dtype": str(dtype), "threads": args.threads},

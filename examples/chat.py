@@ -49,9 +49,12 @@ class Turn:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", default=DEFAULT_ADAPTER, help="The Bitune adapter: a folder or a Hub id.")
-    parser.add_argument("--model_name_or_path", default=None, help="Base model (default: the one the adapter records).")
     parser.add_argument(
-        "--turn", action="append", default=[], help="One turn's instruction (\\n for a line break); repeat for several."
+        "--model_name_or_path", default=None, help="Base model (default: the one the adapter records)."
+    )
+    parser.add_argument(
+        "--turn", action="append", default=[],
+        help="One turn's instruction (\\n for a line break); repeat for several.",
     )
     parser.add_argument("--interactive", action="store_true", help="Read the turns from the terminal.")
     parser.add_argument("--max_new_tokens", type=int, default=32)
@@ -102,9 +105,10 @@ def chat(model: Any, tokenizer: Any, instructions: Iterable[str], max_new_tokens
     from peft_bitune import compat  # reads `output.cache`, or `output.past_key_values` before transformers 5.24
 
     output, messages = None, []
+    generated = None  # the previous answer as the model generated it (special tokens included); none before turn 1
     for instruction in instructions:
         if tokenizer.chat_template:
-            text = _chat_turn_text(tokenizer, messages, instruction, generated=output and tokenizer.decode(answer_ids))
+            text = _chat_turn_text(tokenizer, messages, instruction, generated=generated)
             new = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         else:
             new = tokenizer(instruction, add_special_tokens=output is None, return_tensors="pt")["input_ids"]
@@ -127,6 +131,7 @@ def chat(model: Any, tokenizer: Any, instructions: Iterable[str], max_new_tokens
         )
         answer_ids = output.sequences[0, input_ids.shape[1] :]
         answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
+        generated = tokenizer.decode(answer_ids)
         messages += [{"role": "user", "content": instruction}, {"role": "assistant", "content": answer}]
         held = compat.output_cache(output).get_seq_length()
         yield Turn(instruction, answer, new[0].tolist(), answer_ids.tolist(), read, held)

@@ -145,8 +145,8 @@ def toy_rows(count: int, seed: int) -> Dataset:
 def tune(model: PeftModel, tokenizer: Any, steps: int, seed: int, batch_size: int = 16, lr: float = 1e-2) -> float:
     """
     A few optimizer steps on the toy task with TRL's SFT pipeline (tokenization, EOS, its collator, AdamW): the Bitune
-    model with `BituneSFTTrainer`, the LoRA model with TRL's own `SFTTrainer`. Both see the same rows in the same order.
-    Returns the last training loss.
+    model with `BituneSFTTrainer`, the LoRA model with TRL's own `SFTTrainer`. Both see the same rows in the same
+    order. Returns the last training loss.
     """
     is_bitune = isinstance(model.peft_config[model.active_adapter], BituneConfig)
     trainer_class, config_class = (BituneSFTTrainer, BituneSFTConfig) if is_bitune else (SFTTrainer, SFTConfig)
@@ -176,7 +176,9 @@ class DemoModels:
 
 
 def train_demo_model(method: str, tokenizer: Any, steps: int, seed: int) -> tuple[PeftModel, float]:
-    """The tiny base tuned on the toy task with `method` ("lora" or "bitune", same LoRA settings); and its last loss."""
+    """
+    The tiny base tuned on the toy task with `method` ("lora" or "bitune", same LoRA settings); and its last loss.
+    """
     adapter_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
     configs = {"lora": adapter_config, "bitune": BituneConfig(adapter_config=adapter_config)}
     if method not in configs:
@@ -208,7 +210,9 @@ def read_prompts(path: str, field: str) -> list[str]:
     for number, line in enumerate(lines, start=1):
         record = json.loads(line)
         if field not in record:
-            raise ValueError(f"{path}, line {number}: no `{field}` field (set `--prompt_field`); keys: {sorted(record)}.")
+            raise ValueError(
+                f"{path}, line {number}: no `{field}` field (set `--prompt_field`); keys: {sorted(record)}."
+            )
         prompts.append(str(record[field]))
     return prompts
 
@@ -290,8 +294,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         bitune_answers = generate_answers(demo.bitune, demo.tokenizer, prompts, args.max_new_tokens, args.batch_size)
         header = (
             f"Offline demo: a tiny random Llama with a character-level tokenizer, tuned for {args.demo_steps} steps "
-            f"to sort digits (final training loss: LoRA {demo.losses['lora']:.3f}, Bitune {demo.losses['bitune']:.3f}). "
-            "Greedy decoding."
+            f"to sort digits (final training loss: LoRA {demo.losses['lora']:.3f}, "
+            f"Bitune {demo.losses['bitune']:.3f}). Greedy decoding."
         )
     else:
         prompts = [args.template.replace("{prompt}", prompt) for prompt in prompts]

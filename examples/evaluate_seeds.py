@@ -83,7 +83,9 @@ def training_rows(task: TaskFormat, settings: Settings, seed: int) -> datasets.D
 
 def train(method: str, task: TaskFormat, seed: int, settings: Settings, tokenizer):
     """A fresh adapter of `method` trained on `task`; returns the PEFT model."""
-    lora = LoraConfig(r=settings.rank, lora_alpha=2 * settings.rank, target_modules="all-linear", task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=settings.rank, lora_alpha=2 * settings.rank, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
     on_gpu = torch.cuda.is_available()
     common = dict(
         output_dir=str(Path(settings.output_dir) / f"{method}-{task.name}-seed{seed}"),

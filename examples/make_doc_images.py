@@ -98,7 +98,10 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         history_path = os.path.join(args.output_dir, HISTORY_IMAGE)
         plot_mixing_history(
             trainer.state.log_history, path=history_path,
-            title=f"Mixing coefficients during Bitune training of the miniature (learning rate {args.learning_rate:g})",
+            title=(
+                "Mixing coefficients during Bitune training of the miniature "
+                f"(learning rate {args.learning_rate:g})"
+            ),
         )
     for path in (attention_path, mixing_path, history_path):
         print(f"Wrote {path}")

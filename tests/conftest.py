@@ -1,4 +1,6 @@
-"""Tiny random models of every supported architecture, saved and loaded back through transformers' real loading code."""
+"""
+Tiny random models of every supported architecture, saved and loaded back through transformers' real loading code.
+"""
 
 from __future__ import annotations
 

@@ -83,7 +83,9 @@ def reference_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[i
         cache = reference_prefill(model, row[None][:, : len(prompt)])
         with model.base_model.weights("causal"):
             logits = model.base_model.model(
-                input_ids=row[None, len(prompt) - 1 :], **compat.with_cache(model.base_model.model, cache), use_cache=True
+                input_ids=row[None, len(prompt) - 1 :],
+                **compat.with_cache(model.base_model.model, cache),
+                use_cache=True,
             ).logits
         tokens.append(int(logits[0, -1].argmax()))
     return tokens[len(prompt) :]

@@ -2,8 +2,9 @@
 
 Run under `torchrun --nproc_per_node 2 tests/sharded_training.py OUTPUT_DIR CASES_JSON` (CPU, gloo): for each case,
 every process trains on its half of each batch, the full state dict is gathered, and the main process saves the
-trainable weights (or the error) to OUTPUT_DIR/<case>.pt, and with `"save": true` the adapter to OUTPUT_DIR/<case>/. `reference_training` runs the same steps in one process (the loss of a step
-is the mean of the per-process losses, as data parallelism averages gradients). Nothing is downloaded.
+trainable weights (or the error) to OUTPUT_DIR/<case>.pt, and with `"save": true` the adapter to OUTPUT_DIR/<case>/.
+`reference_training` runs the same steps in one process (the loss of a step is the mean of the per-process losses, as
+data parallelism averages gradients). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -145,10 +146,17 @@ def shard_fsdp1(model):
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
-    return FullyShardedDataParallel(model, auto_wrap_policy=policy, use_orig_params=True, device_id=torch.device("cpu"))
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=policy, use_orig_params=True, device_id=torch.device("cpu")
+    )
 
 
-SHARDINGS = {"fsdp2": shard_fsdp2, "fsdp2_accelerate": shard_fsdp2_as_accelerate, "fsdp2_layers_only": shard_fsdp2_layers_only, "fsdp1": shard_fsdp1}
+SHARDINGS = {
+    "fsdp2": shard_fsdp2,
+    "fsdp2_accelerate": shard_fsdp2_as_accelerate,
+    "fsdp2_layers_only": shard_fsdp2_layers_only,
+    "fsdp1": shard_fsdp1,
+}
 
 
 def gather_weights(model, sharding: str, names: list[str]) -> dict[str, torch.Tensor]:
@@ -158,7 +166,9 @@ def gather_weights(model, sharding: str, names: list[str]) -> dict[str, torch.Te
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         with FullyShardedDataParallel.summon_full_params(model, writeback=False):
-            full = {name.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for name, p in model.named_parameters()}
+            full = {
+                name.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for name, p in model.named_parameters()
+            }
         return {name: full[name] for name in names}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -193,7 +203,10 @@ def run_case(case: dict, output_dir: Path) -> None:
     names = trainable_names(model)
     sharded = SHARDINGS[case["sharding"]](model)
     # Whether a prompt pass may end at the last layer's keys/values, as seen under this sharding.
-    outcome: dict = {"stops_early": model.base_model._prompt_passes_may_stop_early(), "fsdp2_units": fsdp2_units(model)}
+    outcome: dict = {
+        "stops_early": model.base_model._prompt_passes_may_stop_early(),
+        "fsdp2_units": fsdp2_units(model),
+    }
     try:
         train(sharded, slice(rank * ROWS_PER_PROCESS, (rank + 1) * ROWS_PER_PROCESS))
         outcome["weights"] = gather_weights(sharded, case["sharding"], names)

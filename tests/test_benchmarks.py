@@ -81,7 +81,10 @@ def test_fused_prompt_pass_estimate_prints_a_ratio_per_cell():
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("inference", "training"))]
     assert [(mode, int(batch), int(p)) for mode, batch, p, *_ in rows] == [
-        (mode, batch, p) for mode in ("inference", "training") for batch, p in ((1, 128), (8, 32), (8, 128), (16, 128))]
+        (mode, batch, p)
+        for mode in ("inference", "training")
+        for batch, p in ((1, 128), (8, 32), (8, 128), (16, 128))
+    ]
     for *_, two, fused, ratio in rows:
         assert positive_finite(float(two)) and positive_finite(float(fused))
         assert float(ratio) == pytest.approx(float(fused) / float(two), abs=2e-3 + 0.06 * float(ratio))
@@ -165,7 +168,10 @@ def test_serving_reuse_reads_only_new_turns_and_writes_its_report(tmp_path):
     reuse, full = result["reuse"], result["full_prefill"]
     assert len(reuse) == len(full) == serving_reuse.TURNS
     assert [r["prompt_tokens"] for r in reuse] == [r["prompt_tokens"] for r in full]
-    assert all(r["read_tokens"] == r["prompt_tokens"] for r in full) and reuse[0]["read_tokens"] == full[0]["read_tokens"]
+    assert (
+        all(r["read_tokens"] == r["prompt_tokens"] for r in full)
+        and reuse[0]["read_tokens"] == full[0]["read_tokens"]
+    )
     for turn, (with_reuse, without) in enumerate(zip(reuse[1:], full[1:]), start=2):
         assert with_reuse["cached_tokens"] > 0 and with_reuse["read_tokens"] < without["read_tokens"], turn
     for row in reuse + full:

@@ -6,11 +6,11 @@ import copy
 
 import pytest
 import torch
+from conftest import VOCAB
+from reference import left_padded, make_bitune
 from transformers import DynamicCache
 
-from conftest import VOCAB
 from peft_bitune import compat
-from reference import left_padded, make_bitune
 
 SETTINGS = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
 
@@ -24,7 +24,9 @@ def chat(model, instructions_per_turn: list[list[torch.Tensor]]):
     """Generate turn after turn from the cache; returns per row the list of (instruction, answer) token tensors."""
     ids, mask = left_pad(instructions_per_turn[0])
     out = model.generate(input_ids=ids, attention_mask=mask, **SETTINGS)
-    history = [[(instruction, out.sequences[i, ids.shape[1] :])] for i, instruction in enumerate(instructions_per_turn[0])]
+    history = [
+        [(instruction, out.sequences[i, ids.shape[1] :])] for i, instruction in enumerate(instructions_per_turn[0])
+    ]
     mask = torch.cat([mask, torch.ones(len(history), SETTINGS["max_new_tokens"], dtype=torch.long)], dim=1)
     for instructions in instructions_per_turn[1:]:
         new_ids, new_mask = left_pad(instructions)
@@ -40,7 +42,9 @@ def assert_training_forward_predicts_every_answer(model, history):
     rows, labels = [], []
     for turns in history:
         tokens = torch.cat([torch.cat([instruction, answer]) for instruction, answer in turns])
-        supervised = torch.cat([torch.cat([torch.full_like(instruction, -100), answer]) for instruction, answer in turns])
+        supervised = torch.cat(
+            [torch.cat([torch.full_like(instruction, -100), answer]) for instruction, answer in turns]
+        )
         rows.append(tokens)
         labels.append(supervised)
     width = max(len(r) for r in rows)

@@ -10,14 +10,14 @@ import inspect
 import datasets
 import pytest
 import torch
-from torch import nn
-from transformers import DynamicCache, TrainingArguments
-
 import trl_helpers as helpers
 from compat_helpers import from_project, needs_cache_name, only_cache_argument, renamed_name_warnings
 from conftest import VOCAB
-from peft_bitune import compat
 from reference import left_padded, make_bitune
+from torch import nn
+from transformers import DynamicCache, TrainingArguments
+
+from peft_bitune import compat
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
 
 GREEDY = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
@@ -113,8 +113,11 @@ def test_bitune_calls_take_the_cache_under_either_name_but_once(load_base):
     first = model.generate(**prompts, **GREEDY)
     conversation = torch.cat([first.sequences, torch.tensor([[9, 10]])], dim=1)
     by_name = {
-        name: model.generate(input_ids=conversation, **{name: compat.output_cache(model.generate(**prompts, **GREEDY))},
-                             **GREEDY).sequences
+        name: model.generate(
+            input_ids=conversation,
+            **{name: compat.output_cache(model.generate(**prompts, **GREEDY))},
+            **GREEDY,
+        ).sequences
         for name in ("cache", "past_key_values")
     }
     assert torch.equal(by_name["cache"], by_name["past_key_values"])

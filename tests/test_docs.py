@@ -261,9 +261,14 @@ def test_readme_usage_pushes_only_when_a_token_is_configured(workspace, monkeypa
         monkeypatch.setattr(huggingface_hub, "whoami", lambda: {"name": "your-name"})
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
         base_id = str(MINIATURE_BASE)
-        namespace = {"base_id": base_id, "huggingface_hub": huggingface_hub, "peft_bitune": peft_bitune,
-                     "PeftModel": PeftModel, "AutoModelForCausalLM": AutoModelForCausalLM,
-                     "model": get_peft_model(AutoModelForCausalLM.from_pretrained(base_id), peft_bitune.BituneConfig())}
+        namespace = {
+            "base_id": base_id,
+            "huggingface_hub": huggingface_hub,
+            "peft_bitune": peft_bitune,
+            "PeftModel": PeftModel,
+            "AutoModelForCausalLM": AutoModelForCausalLM,
+            "model": get_peft_model(AutoModelForCausalLM.from_pretrained(base_id), peft_bitune.BituneConfig()),
+        }
         with contextlib.redirect_stdout(io.StringIO()):
             exec(compile(tail, "README.md (usage block)", "exec"), namespace)
         assert namespace["location"] == expected
@@ -295,7 +300,9 @@ def test_every_page_is_in_the_navigation():
     config = (REPO / "mkdocs.yml").read_text(encoding="utf-8")
     navigation = set(re.findall(r"^\s*-\s+[^:\n]+:\s+(\S+\.md)\s*$", config, flags=re.M))
     pages = {str(p.relative_to(REPO / "docs")) for p in (REPO / "docs").rglob("*.md")}
-    assert pages == navigation, f"pages not in the nav: {sorted(pages - navigation)}; missing: {sorted(navigation - pages)}"
+    assert pages == navigation, (
+        f"pages not in the nav: {sorted(pages - navigation)}; missing: {sorted(navigation - pages)}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- the examples
@@ -384,7 +391,11 @@ def test_chat_example_continues_from_the_cache_as_multi_turn_training_predicts(q
 def test_chat_example_reads_typed_turns_until_an_empty_line(quickstart_run, monkeypatch, capsys):
     output_dir, _ = quickstart_run
     chat = load_example("chat")
-    typed = "Story: Ana has 2 hats. Bo has 5 hats.\\nAsk: How many hats do they have?\\nAnswer:\nAsk: And Bo?\\nAnswer:\n\n"
+    typed = (
+        "Story: Ana has 2 hats. Bo has 5 hats.\\nAsk: How many hats do they have?\\nAnswer:\n"
+        "Ask: And Bo?\\nAnswer:\n"
+        "\n"
+    )
     monkeypatch.setattr(sys, "stdin", io.StringIO(typed))
     turns = chat.main(["--adapter", str(output_dir), "--interactive", "--max_new_tokens", "4"])
     assert [turn.instruction for turn in turns] == [

@@ -144,7 +144,9 @@ def test_ordinary_position_ids_give_the_same_result_as_none(load_base):
         (dict(logits_to_keep=2), "does not accept `logits_to_keep`"),
         (dict(cu_seq_lens_q=torch.tensor([0, 3, 6])), "does not accept `cu_seq_lens_q`"),
     ],
-    ids=["packed-positions", "shifted-positions", "cache-position", "token-type-ids", "logits-to-keep", "flash-kwargs"],
+    ids=[
+        "packed-positions", "shifted-positions", "cache-position", "token-type-ids", "logits-to-keep", "flash-kwargs"
+    ],
 )
 def test_forward_arguments_the_passes_cannot_share_are_refused_by_name(load_base, monkeypatch, extra, message):
     model = make_bitune(load_base("llama"))

@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from compat_helpers import from_project, needs_cache_name, only_cache_argument, renamed_name_warnings
+from conftest import VOCAB
 from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from peft import LoraConfig, get_peft_model
+from reference import make_bitune, reference_greedy
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from compat_helpers import from_project, needs_cache_name, only_cache_argument, renamed_name_warnings
-from conftest import VOCAB
-from reference import make_bitune, reference_greedy
 from peft_bitune.evaluation import (
     PAPER_TASKS,
     TASKS_DIR,
@@ -38,7 +38,8 @@ from peft_bitune.evaluation import (
     normalize_number,
     split_cot_answer,
 )
-from peft_bitune.evaluation.cli import main as bitune_eval, with_paper_tasks
+from peft_bitune.evaluation.cli import main as bitune_eval
+from peft_bitune.evaluation.cli import with_paper_tasks
 from peft_bitune.evaluation.harness import BituneLM
 
 BOS = 1
@@ -288,7 +289,7 @@ def test_generate_until_is_bitune_generation_with_stop_sequences(load_base, toke
     assert [sample["resps"][0][0] for sample in samples] == expected
 
 
-# ---------------------------------------------------------------------------------------------------- transformers names
+# -------------------------------------------------------------------------------------------------- transformers names
 def harness_run(lm) -> tuple[list, list]:
     """What `bitune-eval` asks of the model: log-likelihoods (prefill + answer pass) and generations."""
     scores = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(

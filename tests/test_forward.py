@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import IA3Config, LoraConfig
-
 from conftest import ATTENTION_CASES, VOCAB
-from peft_bitune import compat
+from peft import IA3Config, LoraConfig
 from reference import alphas, make_bitune, reference_row
+
+from peft_bitune import compat
 
 PROMPT_LENGTHS = [1, 3, 7, 9]
 ANSWER_LENGTHS = [4, 2, 5, 3]
@@ -261,10 +261,10 @@ def test_frozen_mixing_ablation_keeps_alpha_fixed(load_base):
 
 
 def test_mixing_coefficients_start_at_one_half():
+    from peft import get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from peft_bitune import BituneConfig
-    from peft import get_peft_model
 
     base = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
                                         num_attention_heads=2))

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import COMMON, VOCAB
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, RepoUrl
 from huggingface_hub.errors import EntryNotFoundError
 from peft import AutoPeftModelForCausalLM, IA3Config, LoraConfig, PeftModel
+from reference import make_bitune
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import peft_bitune
 from peft_bitune import BituneConfig
 from peft_bitune.hub import push_to_hub
-from conftest import COMMON, VOCAB
-from reference import make_bitune
 
 SAVED_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"}
 LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
@@ -173,7 +173,9 @@ WORKER = textwrap.dedent(
             model = PeftModel.from_pretrained(base, job["adapter"], **job["kwargs"])
         model.eval()
         with torch.no_grad():
-            out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"])
+            out = model(
+                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"]
+            )
             generated = model.generate(input_ids=inputs["prompts"], attention_mask=inputs["prompt_mask"],
                                        max_new_tokens=6, do_sample=False, pad_token_id=0)
         results[job["name"] + ".logits"] = out.logits.contiguous()
@@ -384,7 +386,10 @@ def test_several_bitune_adapters_load_switch_and_save_separately(load_base, tmp_
 
     # Saving writes each adapter on its own (PEFT's filter of other adapters does not see inner names).
     model.save_pretrained(tmp_path / "both")
-    for folder, source in ((tmp_path / "both", tmp_path / "first"), (tmp_path / "both" / "task2", tmp_path / "second")):
+    for folder, source in (
+        (tmp_path / "both", tmp_path / "first"),
+        (tmp_path / "both" / "task2", tmp_path / "second"),
+    ):
         saved = load_file(folder / "adapter_model.safetensors")
         original = load_file(source / "adapter_model.safetensors")
         assert saved.keys() == original.keys()

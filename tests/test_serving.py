@@ -24,6 +24,7 @@ openai = pytest.importorskip("openai", reason="the serving tests need the `serve
 pytest.importorskip("fastapi", reason="the serving tests need the `serve` extra")
 
 from peft import PeftModel  # noqa: E402
+from reference import make_bitune  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from peft_bitune import compat  # noqa: E402
@@ -32,7 +33,6 @@ from peft_bitune.serving import ConversationStore, KeptConversation  # noqa: E40
 from peft_bitune.serving.app import build_app  # noqa: E402
 from peft_bitune.serving.engine import ChatEngine, StopTextFilter, cut_at_stop  # noqa: E402
 from peft_bitune.serving.server import serving_in_thread  # noqa: E402
-from reference import make_bitune  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "examples", "miniature", "base")
@@ -106,7 +106,8 @@ def reference_chat(model, tokenizer, template, user_turns, max_tokens=MAX_TOKENS
         text = render(tokenizer, template, messages)
         settings = dict(max_new_tokens=max_tokens, do_sample=False, return_dict_in_generate=True)
         if output is None:
-            input_ids, cache, cached = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"], None, 0
+            input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            cache, cached = None, 0
         else:
             assert text.startswith(kept_text)
             new = tokenizer(text[len(kept_text) :], add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -183,7 +184,9 @@ def test_streaming_equals_non_streaming(client, tokenizer, template):
     assert len(answer) > 3, "the stop-string check below needs a longer answer"
     stop = answer[2:4]
     messages = [{"role": "user", "content": STORIES[1]}]
-    cut = client.chat.completions.create(model=NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    cut = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stop=[stop]
+    )
     assert cut.choices[0].message.content == answer[: answer.find(stop)]
     assert cut.choices[0].finish_reason == "stop"
     text, _, finish = streamed(client, messages, stop=[stop])
@@ -193,7 +196,9 @@ def test_streaming_equals_non_streaming(client, tokenizer, template):
 def test_eight_concurrent_clients_three_turns_each_get_their_own_answers(client, reference_model, tokenizer, template):
     conversations = [[story, *FOLLOW_UPS] for story in STORIES]
     expected = [reference_chat(reference_model, tokenizer, template, turns) for turns in conversations]
-    assert len({tuple(answer for answer, _ in turns) for turns in expected}) > 1, "answers must differ to show cross-talk"
+    assert len({tuple(answer for answer, _ in turns) for turns in expected}) > 1, (
+        "answers must differ to show cross-talk"
+    )
     results: list = [None] * len(conversations)
 
     def talk(i):
@@ -268,7 +273,9 @@ def leave_stream(url, body, wait_for_content: bool) -> None:
     """Open a streaming request, read its first event (or its first answer text) and disconnect."""
     address = urlparse(url)
     connection = http.client.HTTPConnection(address.hostname, address.port, timeout=REQUEST_TIMEOUT_S)
-    connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    connection.request(
+        "POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+    )
     response = connection.getresponse()
     assert response.status == 200
     while (line := response.fp.readline()) and not (line.startswith(b"data:") and (
@@ -294,7 +301,8 @@ def test_a_client_that_leaves_a_stream_frees_its_work(adapter_dir, tokenizer, te
     body = {"model": NAME, "messages": messages, "max_tokens": 150, "temperature": 0, "stream": True}
     with serving_in_thread(build_app(engine, NAME)) as url:
         release = threading.Event()
-        busy = engine.worker.submit(release.wait, REQUEST_TIMEOUT_S)  # the worker is busy: the next request waits in the queue
+        # The worker is busy: the next request waits in the queue.
+        busy = engine.worker.submit(release.wait, REQUEST_TIMEOUT_S)
         leave_stream(url, body, wait_for_content=False)
         assert wait_for_cancelled_streams(url, 1)["cancelled_streams"] == 1
         release.set()

