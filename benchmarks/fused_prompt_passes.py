@@ -23,9 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
+
 from measure import Clock, Ratio, RoundPolicy, interleaved_rounds  # noqa: E402
 from models import MODEL_SIZES, build_pair, prompt_batch  # noqa: E402
-
 from peft_bitune.caches import pass_cache  # noqa: E402
 from peft_bitune.common import num_layers  # noqa: E402
 

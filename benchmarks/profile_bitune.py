@@ -23,9 +23,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
 from models import MODEL_SIZES, build_pair, prompt_batch, training_batch  # noqa: E402
 from suites import train_step  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 
 def operator_times(function: Callable[[], object], repeats: int) -> dict[str, tuple[float, int]]:

@@ -27,6 +27,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import peft  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+
 from measure import Clock, RoundPolicy  # noqa: E402
 from models import MODEL_SIZES, build_pair  # noqa: E402
 from suites import (  # noqa: E402

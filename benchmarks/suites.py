@@ -6,9 +6,10 @@ import statistics
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
 from measure import Clock, Ratio, RoundPolicy, interleaved_rounds, linear_flops, peak_bytes_during
 from models import ModelPair, collate_right_padded, prompt_batch, ragged_rows, training_batch
-from transformers import LogitsProcessor, LogitsProcessorList
 
 
 # ---------------------------------------------------------------------------------------------------- training

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB
 from peft import AdaLoraConfig, LoraConfig, PromptTuningConfig, get_peft_model
-from reference import make_bitune
 
+from conftest import VOCAB
 from peft_bitune import BituneConfig
 from peft_bitune.passes import BitunePasses
+from reference import make_bitune
 
 
 @pytest.mark.parametrize(

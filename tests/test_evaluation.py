@@ -14,18 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from compat_helpers import from_project, needs_cache_name, only_cache_argument, renamed_name_warnings
-from conftest import VOCAB
 from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from peft import LoraConfig, get_peft_model
-from reference import make_bitune, reference_greedy
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from compat_helpers import from_project, needs_cache_name, only_cache_argument, renamed_name_warnings
+from conftest import VOCAB
 from peft_bitune.evaluation import (
     PAPER_TASKS,
     TASKS_DIR,
@@ -41,6 +40,7 @@ from peft_bitune.evaluation import (
 from peft_bitune.evaluation.cli import main as bitune_eval
 from peft_bitune.evaluation.cli import with_paper_tasks
 from peft_bitune.evaluation.harness import BituneLM
+from reference import make_bitune, reference_greedy
 
 BOS = 1
 CHARACTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,?!:;'\"-\n()$%#=+*/"

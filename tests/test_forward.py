@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ATTENTION_CASES, VOCAB
 from peft import IA3Config, LoraConfig
-from reference import alphas, make_bitune, reference_row
 
+from conftest import ATTENTION_CASES, VOCAB
 from peft_bitune import compat
+from reference import alphas, make_bitune, reference_row
 
 PROMPT_LENGTHS = [1, 3, 7, 9]
 ANSWER_LENGTHS = [4, 2, 5, 3]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ATTENTION_CASES, VOCAB
-from reference import left_padded, make_bitune, reference_greedy, reference_prefill
 from transformers.generation.streamers import BaseStreamer
 
+from conftest import ATTENTION_CASES, VOCAB
 from peft_bitune import compat
 from peft_bitune.passes import BitunePasses
+from reference import left_padded, make_bitune, reference_greedy, reference_prefill
 
 PROMPT_LENGTHS = [9, 1, 4, 12]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB
-from reference import make_bitune, reference_alternating, reference_row
 from torch.nn import functional as F
 
+from conftest import VOCAB
 from peft_bitune.passes import BitunePasses
+from reference import make_bitune, reference_alternating, reference_row
 
 # Each row: (instruction length, answer length) per turn, then trailing unsupervised tokens.
 ROWS = [

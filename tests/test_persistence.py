@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import COMMON, VOCAB
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, RepoUrl
 from huggingface_hub.errors import EntryNotFoundError
 from peft import AutoPeftModelForCausalLM, IA3Config, LoraConfig, PeftModel
-from reference import make_bitune
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import peft_bitune
+from conftest import COMMON, VOCAB
 from peft_bitune import BituneConfig
 from peft_bitune.hub import push_to_hub
+from reference import make_bitune
 
 SAVED_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"}
 LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)

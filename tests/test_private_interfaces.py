@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB
 from peft import PeftType
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
-from reference import make_bitune
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from conftest import VOCAB
 from peft_bitune import BituneConfig, compat
 from peft_bitune.caches import pass_cache
 from peft_bitune.common import BITUNE_TYPE_NAME, inner_adapter_name, num_layers
+from reference import make_bitune
 
 UPGRADE = "The installed {library} no longer {does}: update `peft_bitune.compat.{function}` for this release."
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_smollm2_loader import write_tiny_llama_gguf
 from transformers import AutoTokenizer
+
+from test_smollm2_loader import write_tiny_llama_gguf
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # SmolLM2-135M-Instruct's own chat template, as its GGUF file carries it.

@@ -24,7 +24,6 @@ openai = pytest.importorskip("openai", reason="the serving tests need the `serve
 pytest.importorskip("fastapi", reason="the serving tests need the `serve` extra")
 
 from peft import PeftModel  # noqa: E402
-from reference import make_bitune  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from peft_bitune import compat  # noqa: E402
@@ -33,6 +32,7 @@ from peft_bitune.serving import ConversationStore, KeptConversation  # noqa: E40
 from peft_bitune.serving.app import build_app  # noqa: E402
 from peft_bitune.serving.engine import ChatEngine, StopTextFilter, cut_at_stop  # noqa: E402
 from peft_bitune.serving.server import serving_in_thread  # noqa: E402
+from reference import make_bitune  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "examples", "miniature", "base")

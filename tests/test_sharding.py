@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import sharded_training
 import torch
+
+import sharded_training
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,16 +18,16 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-import trl_helpers as helpers
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
-from reference import reference_alternating, reference_row
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LabelSmoother
 from trl import SFTConfig
 
+import trl_helpers as helpers
 from peft_bitune import BituneConfig, BituneMixingCallback, BituneModel, compat
 from peft_bitune.visualize import mixing_history
+from reference import reference_alternating, reference_row
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
 from trl_integration.cli import BituneArguments, make_parser
 from trl_integration.cli import main as cli_main

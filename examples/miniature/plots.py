@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 import tasks  # noqa: E402
+
 from run import METHODS  # noqa: E402
 
 
