@@ -1,5 +1,4 @@
-"""The passes of Bitune, apart from PEFT's bookkeeping: what one forward computes once the tuner has routed and
-checked.
+"""The passes of Bitune: what a forward computes once the tuner (`model.py`, PEFT's bookkeeping) has checked it.
 
 For each instruction segment x_1..x_m of a training row:
 

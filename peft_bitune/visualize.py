@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-
 # The axis label of every plot of the mixing coefficients.
 _ALPHA_LABEL = "alpha (weight of the bidirectional cache)"
 
@@ -470,7 +469,7 @@ def plot_mixing_coefficients(
 
     Args:
         source: a Bitune model, a directory written by its `save_pretrained`, or the dict `mixing_coefficients`
-        returns.
+            returns.
         adapter_name (`str`, *optional*): see `mixing_coefficients`.
         path (`str` or `os.PathLike`, *optional*): also save the figure there (PNG unless the suffix says otherwise).
         title (`str`, *optional*): the plot's title.

@@ -1,5 +1,6 @@
-"""A straightforward, one-row-at-a-time Bitune reference, written from BITUNE.md and independent of the library's
-batching, layout and cache classes: three explicit passes with transformers' own DynamicCache, mixing by hand."""
+"""A straightforward, one-row-at-a-time Bitune reference, written from the method as the paper describes it
+(Kopiczko et al., 2025; multi-turn: appendix A.8) and independent of the library's batching, layout and cache classes:
+three explicit passes with transformers' own DynamicCache, mixing by hand."""
 
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def _run(model, weight_set, tokens, keys, values, start, is_causal=True, with_he
 
 
 def reference_alternating(model, row, turns, trailing):
-    """BITUNE.md's multi-turn rule for one row: returns the summed answer cross-entropy and logits per turn."""
+    """The paper's multi-turn rule (A.8, alternating) for one row: returns the summed answer cross-entropy and logits
+    per turn."""
     key_alpha, value_alpha = alphas(model)
     keys, values, position, loss, all_logits = [], [], 0, 0.0, []
     for number, (instruction, answer) in enumerate(turns):

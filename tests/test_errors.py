@@ -76,7 +76,6 @@ def test_weighted_adapter_combination_is_refused_with_the_reason(load_base):
     assert "combined" not in model.peft_config
 
 
-
 def _batch():
     ids = torch.randint(3, VOCAB, (2, 6))
     labels = ids.clone()

@@ -132,8 +132,7 @@ class BituneChatCompletionHandler(ChatCompletionHandler):
                 400,
                 f"This model's maximum context length is {self.engine.max_positions} tokens; the messages take "
                 f"{len(prompt_ids)} tokens and {max_tokens or 1} more are asked for. Shorten the conversation or "
-                "lower "
-                "`max_tokens` (nothing is truncated silently).",
+                "lower `max_tokens` (nothing is truncated silently).",
                 "messages", "context_length_exceeded",
             )
         # Seeded on the worker, right before this request runs: seeding here would reseed whatever runs meanwhile.
