@@ -149,11 +149,8 @@ class ConversationLayout:
         _check_rows(is_answer.gather(1, row_starts[:, None])[:, 0], "rows {rows} start with an answer token (by "
                     + boundary + "): Bitune reads an instruction before each answer; add one (e.g. a BOS token or a "
                     "prompt template)")
-        segment_starts, segment_lengths = _segments(valid, is_answer)
-        if mode == "history":
-            turns = _history_turns(row_starts, segment_starts, segment_lengths, seq_len, effective_labels)
-        else:
-            turns = _alternating_turns(row_starts, segment_starts, segment_lengths, seq_len, effective_labels)
+        segments = _Segments(row_starts, *_segments(valid, is_answer), seq_len, effective_labels)
+        turns = segments.history_turns() if mode == "history" else segments.alternating_turns()
         return cls(turns=turns, mode=mode)
 
     def runs(self, sequence: torch.Tensor) -> Iterator[tuple[list[Turn], torch.Tensor]]:
@@ -210,61 +207,71 @@ def _segments(valid: torch.Tensor, is_answer: torch.Tensor) -> tuple[torch.Tenso
     return starts[:, :num_segments], lengths[:, :num_segments]
 
 
-def _turn_bounds(
-    segment_starts: torch.Tensor, segment_lengths: torch.Tensor, turn: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row, for turn number `turn`: whether the row has it, its instruction's start and length, the position of
-    its last instruction token, and its answer's length."""
-    instruction_start = segment_starts[:, 2 * turn]
-    instruction_length = segment_lengths[:, 2 * turn]
-    answer_length = segment_lengths[:, 2 * turn + 1]
-    has_turn = answer_length > 0
-    last_instruction = instruction_start + instruction_length - 1
-    return has_turn, instruction_start, instruction_length, last_instruction, answer_length
+@dataclass(frozen=True)
+class _TurnBounds:
+    """Per row, for one turn: whether the row has it, its instruction's start and length, the position of its last
+    instruction token, and its answer's length."""
+
+    has_turn: torch.Tensor
+    instruction_start: torch.Tensor
+    instruction_length: torch.Tensor
+    last_instruction: torch.Tensor
+    answer_length: torch.Tensor
 
 
-def _alternating_turns(
-    row_starts: torch.Tensor,
-    segment_starts: torch.Tensor,
-    segment_lengths: torch.Tensor,
-    seq_len: int,
-    labels: torch.Tensor | None,
-) -> list[Turn]:
-    """One turn per instruction/answer pair; each prefill chunk continues the cache of the turns before it."""
-    turns = []
-    for turn in range(segment_starts.shape[1] // 2):
-        has_turn, start, length, last, answer_length = _turn_bounds(segment_starts, segment_lengths, turn)
-        prefill_lengths = torch.where(has_turn, length - 1, 0)
-        answer_lengths = torch.where(has_turn, answer_length + 1, 0)
-        turns.append(Turn(
-            prefill=Chunk.take(row_starts, start.clamp(max=seq_len - 1), prefill_lengths,
-                               "left" if turn == 0 else "right", seq_len),
-            answer=Chunk.take(row_starts, last.clamp(max=seq_len - 1), answer_lengths, "right", seq_len, labels),
-        ))
-    return turns
+@dataclass(frozen=True)
+class _Segments:
+    """Every row's instruction and answer segments, turned into the chunks of each multi-turn mode."""
 
+    row_starts: torch.Tensor  # (batch,): each row's first real position
+    starts: torch.Tensor  # (batch, 2 * turns): even columns instructions, odd columns answers
+    lengths: torch.Tensor  # (batch, 2 * turns), 0 where a row has fewer turns
+    seq_len: int
+    labels: torch.Tensor | None
 
-def _history_turns(
-    row_starts: torch.Tensor,
-    segment_starts: torch.Tensor,
-    segment_lengths: torch.Tensor,
-    seq_len: int,
-    labels: torch.Tensor | None,
-) -> list[Turn]:
-    """One turn per answer, on the rows that have it; its prefill chunk is everything before the answer's last
-    instruction token."""
-    turns = []
-    for turn in range(segment_starts.shape[1] // 2):
-        has_turn, _, _, last, answer_length = _turn_bounds(segment_starts, segment_lengths, turn)
-        rows = has_turn.nonzero().flatten()
-        starts = row_starts[rows]
-        sub_labels = labels[rows] if labels is not None else None
-        turns.append(Turn(
-            prefill=Chunk.take(starts, starts, last[rows] - starts, "left", seq_len),
-            answer=Chunk.take(starts, last[rows], answer_length[rows] + 1, "right", seq_len, sub_labels),
-            rows=rows,
-        ))
-    return turns
+    def turn_bounds(self, turn: int) -> _TurnBounds:
+        instruction_start = self.starts[:, 2 * turn]
+        instruction_length = self.lengths[:, 2 * turn]
+        answer_length = self.lengths[:, 2 * turn + 1]
+        return _TurnBounds(
+            has_turn=answer_length > 0,
+            instruction_start=instruction_start,
+            instruction_length=instruction_length,
+            last_instruction=instruction_start + instruction_length - 1,
+            answer_length=answer_length,
+        )
+
+    def alternating_turns(self) -> list[Turn]:
+        """One turn per instruction/answer pair; each prefill chunk continues the cache of the turns before it."""
+        turns = []
+        for turn in range(self.starts.shape[1] // 2):
+            bounds = self.turn_bounds(turn)
+            prefill_lengths = torch.where(bounds.has_turn, bounds.instruction_length - 1, 0)
+            answer_lengths = torch.where(bounds.has_turn, bounds.answer_length + 1, 0)
+            last_column = self.seq_len - 1
+            turns.append(Turn(
+                prefill=Chunk.take(self.row_starts, bounds.instruction_start.clamp(max=last_column), prefill_lengths,
+                                   "left" if turn == 0 else "right", self.seq_len),
+                answer=Chunk.take(self.row_starts, bounds.last_instruction.clamp(max=last_column), answer_lengths,
+                                  "right", self.seq_len, self.labels),
+            ))
+        return turns
+
+    def history_turns(self) -> list[Turn]:
+        """One turn per answer, on the rows that have it; its prefill chunk is everything before the answer's last
+        instruction token."""
+        turns = []
+        for turn in range(self.starts.shape[1] // 2):
+            bounds = self.turn_bounds(turn)
+            rows = bounds.has_turn.nonzero().flatten()
+            starts, last = self.row_starts[rows], bounds.last_instruction[rows]
+            labels = self.labels[rows] if self.labels is not None else None
+            turns.append(Turn(
+                prefill=Chunk.take(starts, starts, last - starts, "left", self.seq_len),
+                answer=Chunk.take(starts, last, bounds.answer_length[rows] + 1, "right", self.seq_len, labels),
+                rows=rows,
+            ))
+        return turns
 
 
 def _run_mask(starts: torch.Tensor, lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
