@@ -14,7 +14,9 @@ Everything peft-bitune needs from other libraries beyond their public API, decid
    member to PEFT's closed `PeftType` enum. Each one has a test in tests/test_private_interfaces.py that fails with a
    clear message when an upgrade moves it.
 
-Every other module uses these through the functions here.
+Every other module uses these through the functions here. Overrides of other libraries' private methods must live
+on their classes: `BituneKVMixer._apply` (torch's dtype casts; tested in tests/test_forward.py) and the `BaseTuner`
+hooks of `BituneModel` and its checkpoint mixin, listed in `OVERRIDDEN_TUNER_HOOKS` below and tested there too.
 """
 
 from __future__ import annotations

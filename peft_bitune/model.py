@@ -105,7 +105,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                     model, name, autocast_adapter_dtype=autocast_adapter_dtype, low_cpu_mem_usage=low_cpu_mem_usage
                 )
         self._forget_module_index()
-        if MIXERS_ATTRIBUTE not in self._modules:
+        if MIXERS_ATTRIBUTE not in dict(self.named_children()):
             self.add_module(MIXERS_ATTRIBUTE, nn.ModuleDict())
         device = next(p.device for p in model.parameters())
         self.bitune_mixers[adapter_name] = BituneKVMixer(num_layers(model), config.mix_init, config.mix_scale).to(

@@ -45,7 +45,7 @@ class LayerPath:
     def of(cls, model: nn.Module, qualified_name: str) -> LayerPath:
         modules = [model]
         for name in qualified_name.split(".") if qualified_name else ():
-            modules.append(modules[-1]._modules[name])
+            modules.append(modules[-1].get_submodule(name))
         return cls(tuple(modules))
 
     def fsdp_unit(self) -> FSDPModule | None:

@@ -276,7 +276,7 @@ def _as_bitune_config(args: TrainingArguments | None, model: Any) -> BituneSFTCo
     if isinstance(args, BituneSFTConfig):
         return args
     if args is None:
-        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model") or "model"
+        name = model if isinstance(model, str) else getattr(model.config, "name_or_path", "model") or "model"
         return BituneSFTConfig(f"{os.path.basename(str(name).rstrip('/'))}-Bitune-SFT")
     if not isinstance(args, TrainingArguments):
         raise TypeError(f"`args` must be a `BituneSFTConfig`, got {type(args).__name__}.")
