@@ -23,7 +23,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from .common import check_mask_shape
+from .common import check_mask_shape, first_true
 from .mixing import BituneKVMixer, mix_key_values
 
 
@@ -197,16 +197,16 @@ class BituneCache(DynamicCache):
         real = attention_mask[:, :width].bool()
         cached_ids = self.conversation_ids.to(history.device)
         cached_mask = self.conversation_mask.to(real.device)
-        added = real & ~cached_mask
-        if bool(added.any()):
-            row, column = (int(i) for i in added.nonzero()[0])
+        added = first_true(real & ~cached_mask)
+        if added is not None:
+            row, column = added
             raise ValueError(
                 f"`attention_mask` marks column {column} of row {row} as a real token, but it was padding in the "
                 "conversation this cache holds: keep the attention mask of the earlier turns (0 on their padding)."
             )
-        changed = real & (history != cached_ids)
-        if bool(changed.any()):
-            row, column = (int(i) for i in changed.nonzero()[0])
+        changed = first_true(real & (history != cached_ids))
+        if changed is not None:
+            row, column = changed
             raise ValueError(
                 f"`input_ids` does not continue the conversation this cache holds: row {row}, column {column} is "
                 f"{int(history[row, column])}, the cache holds {int(cached_ids[row, column])}. Pass the previous "

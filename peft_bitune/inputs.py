@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .common import check_fits_positions, check_mask_shape, format_rows
+from .common import check_fits_positions, check_mask_shape, first_true, format_rows
 
 
 def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -112,9 +112,9 @@ def _check_ordinary_positions(position_ids: torch.Tensor, valid: torch.Tensor) -
             f"`position_ids` has shape {tuple(position_ids.shape)} but the input has shape {tuple(valid.shape)}."
         ) from None
     ordinary = valid.long().cumsum(dim=1) - 1
-    differ = valid & (position_ids != ordinary)
-    if bool(differ.any()):
-        row, column = (int(i) for i in differ.nonzero()[0])
+    differ = first_true(valid & (position_ids != ordinary))
+    if differ is not None:
+        row, column = differ
         raise ValueError(
             f"`position_ids` differ from the ordinary positions (0, 1, ... over each row's real tokens) that every "
             f"Bitune pass uses: row {row}, column {column} is {int(position_ids[row, column])}, not "

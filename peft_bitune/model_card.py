@@ -65,7 +65,7 @@ def write_trl_model_card(directory: str | os.PathLike, config: Any, location: st
     named = f"[{base}](https://huggingface.co/{base})" if _hub_id(base) else f"`{base}`"
     text = card.text.replace("[None](https://huggingface.co/None)", named if base else "an unrecorded base model")
     # TRL's quick start runs to the next section; the Bitune section takes its place.
-    text, count = re.subn(r"^## Quick start\n.*?(?=^## |\Z)", f"{_START}{_END}\n\n", text, count=1, flags=re.S | re.M)
+    text = re.sub(r"^## Quick start\n.*?(?=^## |\Z)", f"{_START}{_END}\n\n", text, count=1, flags=re.S | re.M)
     card.text = text
     card.save(path)
     return write_model_card(directory, config, location)
