@@ -37,6 +37,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.utils import entropy_from_logits
 
 from peft_bitune import BituneConfig, BituneMixingCallback, BituneModel, compat
+from peft_bitune.callbacks import gathered_mixing_scalars
 from peft_bitune.common import IGNORE_INDEX, format_rows
 from peft_bitune.model import find_bitune_tuner
 
@@ -255,18 +256,15 @@ class BituneSFTTrainer(SFTTrainer):
     def _whole_mixing_scalars(self, bitune: BituneModel) -> contextlib.AbstractContextManager:
         """
         Outside the forward, sharded training keeps only a shard of each parameter on a process. FSDP2 exposes the
-        scalars as DTensors (gathered when the callback reads them); FSDP1 and ZeRO-3 must gather them. Every process
-        logs, so every process takes part.
+        scalars as DTensors (gathered when the callback reads them); FSDP1 and ZeRO-3 must gather them. FSDP1 shards
+        them inside the wrapper only the trainer holds; ZeRO-3 is recognised from the parameters, as the callback's
+        default does. Every process logs, so every process takes part.
         """
         if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 1:
             from torch.distributed.fsdp import FullyShardedDataParallel
 
             return FullyShardedDataParallel.summon_full_params(self.model_wrapped, writeback=False)
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            import deepspeed
-
-            return deepspeed.zero.GatheredParameters(list(bitune.mixer.parameters()), modifier_rank=None)
-        return contextlib.nullcontext()
+        return gathered_mixing_scalars(bitune)
 
 
 # ---------------------------------------------------------------------- argument checks
