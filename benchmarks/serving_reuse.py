@@ -137,12 +137,9 @@ def measure(model_name: str, device: str, dtype: torch.dtype, rounds: int, max_t
         ]
         for mode, mode_runs in runs.items()
     }
-    reuse, full = result["reuse"], result["full_prefill"]
     result["totals"] = {
-        "read_tokens": {"reuse": sum(r["read_tokens"] for r in reuse),
-                        "full_prefill": sum(r["read_tokens"] for r in full)},
-        "time_to_first_token_s": {"reuse": sum(r["time_to_first_token_s"] for r in reuse),
-                                  "full_prefill": sum(r["time_to_first_token_s"] for r in full)},
+        key: {mode: sum(run[key] for run in result[mode]) for mode in ("reuse", "full_prefill")}
+        for key in ("read_tokens", "time_to_first_token_s")
     }
     return result
 

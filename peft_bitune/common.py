@@ -38,9 +38,15 @@ def inner_adapter_name(adapter_name: str, weight_set: WeightSet) -> str:
     return f"{adapter_name}{INNER_SEPARATOR}{weight_set}"
 
 
+def peft_type_name(peft_type: Any) -> str:
+    """The name of a PEFT type, e.g. "LORA", from the `PeftType` member or its string in `adapter_config.json` (a
+    member formats as "PeftType.LORA")."""
+    return str(getattr(peft_type, "value", peft_type))
+
+
 def is_bitune_type(peft_type: Any) -> bool:
     """Whether a PEFT type (the `PeftType` member, or its string in `adapter_config.json`) is Bitune's."""
-    return str(getattr(peft_type, "value", peft_type)) == BITUNE_TYPE_NAME
+    return peft_type_name(peft_type) == BITUNE_TYPE_NAME
 
 
 def text_config(model: Any) -> Any:

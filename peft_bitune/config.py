@@ -18,6 +18,7 @@ from .common import (
     MultiTurnMode,
     SecondPassAttention,
     WeightSet,
+    peft_type_name,
 )
 from .config_files import BituneConfigFileMixin
 
@@ -134,7 +135,7 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
                 "`adapter_config` must be a PEFT config such as `LoraConfig(...)`, got "
                 f"{type(adapter_config).__name__}."
             )
-        peft_type = str(getattr(adapter_config.peft_type, "value", adapter_config.peft_type))
+        peft_type = peft_type_name(adapter_config.peft_type)
         if adapter_config.is_prompt_learning or adapter_config.is_adaption_prompt:
             raise ValueError(
                 f"`adapter_config` of type {peft_type} is a prompt-learning method: it adds virtual tokens instead of "

@@ -14,6 +14,8 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .common import peft_type_name
+
 CARD_NAME = "README.md"
 TAGS = ("bitune", "peft")
 PAPER_URL = "https://arxiv.org/abs/2405.14862"
@@ -113,10 +115,10 @@ def _hub_id(base_model: str | None) -> str | None:
 
 
 def _method_name(adapter_config: Any) -> str:
-    peft_type = getattr(adapter_config.peft_type, "value", adapter_config.peft_type)
+    peft_type = peft_type_name(adapter_config.peft_type)
     if peft_type == "LORA" and getattr(adapter_config, "use_dora", False):
         return "DoRA"
-    return {"LORA": "LoRA", "IA3": "IA3"}.get(str(peft_type), str(peft_type))
+    return {"LORA": "LoRA", "IA3": "IA3"}.get(peft_type, peft_type)
 
 
 def _with_section(text: str, section: str) -> str:

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from transformers.cache_utils import Cache
 
 from .. import compat
-from ..common import CAUSAL, is_bitune_type
+from ..common import CAUSAL, is_bitune_type, peft_type_name
 from ..model import BituneModel, find_bitune_tuner
 
 logger = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ def _check_arguments(pretrained: Any, peft: str | None, kwargs: dict[str, Any]) 
         peft_type = PeftConfig.from_pretrained(peft, revision=kwargs.get("revision") or "main").peft_type
         if not is_bitune_type(peft_type):
             raise ValueError(
-                f"`peft={peft}` is a {getattr(peft_type, 'value', peft_type)} adapter; the `bitune` model evaluates "
+                f"`peft={peft}` is a {peft_type_name(peft_type)} adapter; the `bitune` model evaluates "
                 "Bitune adapters. Use the harness's `hf` model for it."
             )
 

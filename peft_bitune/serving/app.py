@@ -11,7 +11,6 @@ prompt (no conversation cache), and its error responses, which are not OpenAI's 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import threading
 import time
@@ -257,7 +256,6 @@ def _usage(result: ChatResult) -> CompletionUsage:
 def _check_messages(messages: Any) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise OpenAIError(400, "`messages` must be a non-empty list of {role, content} objects.", "messages")
-    checked = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or set(message) - {"role", "content"} or "role" not in message:
@@ -275,8 +273,7 @@ def _check_messages(messages: Any) -> list[dict]:
             raise OpenAIError(
                 400, f"`{where}.content` must be a string or a list of text parts (this model reads text only).", where
             )
-        checked.append(copy.deepcopy(message))
-    return checked
+    return messages
 
 
 def _optional_number(body: dict, name: str, kind: type, low: float | None = None, high: float | None = None) -> Any:

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..common import is_bitune_type
+from ..common import is_bitune_type, peft_type_name
 
 DEFAULT_CACHE_MEMORY_MB = 1024
 
@@ -75,8 +75,8 @@ def load_engine(args: argparse.Namespace):
     peft_type = PeftConfig.from_pretrained(args.adapter).peft_type
     if not is_bitune_type(peft_type):
         raise SystemExit(
-            f"bitune-serve: {args.adapter!r} is a {peft_type} adapter, not a Bitune one; serve it with vLLM or "
-            "`transformers serve`."
+            f"bitune-serve: {args.adapter!r} is a {peft_type_name(peft_type)} adapter, not a Bitune one; serve it "
+            "with vLLM or `transformers serve`."
         )
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     base = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device)
