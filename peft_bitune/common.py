@@ -23,11 +23,10 @@ INNER_SEPARATOR = "__"
 # The tuner's attribute (and checkpoint key segment) holding each adapter's mixing scalars.
 MIXERS_ATTRIBUTE = "bitune_mixers"
 
-# The allowed values of `BituneConfig.second_pass_attention` and `BituneConfig.multi_turn`.
+# The allowed values of `BituneConfig.second_pass_attention` and `BituneConfig.multi_turn` (checked by
+# `field_types.check_field_types` from the annotations).
 SecondPassAttention = Literal["bidirectional", "causal"]
-SECOND_PASS_ATTENTIONS: tuple[SecondPassAttention, ...] = get_args(SecondPassAttention)
 MultiTurnMode = Literal["alternating", "history"]
-MULTI_TURN_MODES: tuple[MultiTurnMode, ...] = get_args(MultiTurnMode)
 
 # The label of positions without loss, as in transformers and TRL.
 IGNORE_INDEX = -100

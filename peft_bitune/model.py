@@ -23,6 +23,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import compat
+from .base_model_records import match_base_model
 from .common import (
     BIDIRECTIONAL,
     BITUNE_PREFIX,
@@ -82,6 +83,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         if not isinstance(config, BituneConfig):
             raise TypeError(f"BituneModel holds only Bitune adapters; `{adapter_name}` has a {type(config).__name__}.")
         _check_model_supported(model)
+        match_base_model(config, model, adapter_name)
         if INNER_SEPARATOR in adapter_name:
             raise ValueError(f"Bitune adapter names cannot contain '{INNER_SEPARATOR}', got `{adapter_name}`.")
         inner = self.__dict__.get("_inner_tuner")

@@ -15,8 +15,8 @@ so that `load_adapter(path, adapter_name="task2")` loads it under any name. PEFT
 cannot do this: it looks for the adapter name as a whole key segment, and `"default__causal"` is not `"default"`.
 
 Loading is all-or-nothing: a checkpoint that lacks any weight of the adapter (a weight set, the mixing scalars), holds
-weights this model has no place for, or holds weights of another shape (another base model) is refused before
-anything is copied into the model. PEFT itself only warns about missing keys and never checks that a tensor it
+weights this model has no place for, holds weights of another shape (another base model) or holds NaN or infinite
+values is refused before anything is copied into the model. PEFT itself only warns about missing keys and never checks that a tensor it
 loads belongs anywhere.
 """
 
@@ -113,6 +113,7 @@ class BituneCheckpointMixin:
             _check_complete(config, checkpoint_to_model, set(remapped), adapter_name)
             _check_no_strangers(config, remapped, model_state)
             _check_shapes(config, remapped, model_state)
+            _check_finite(state_dict, adapter_name)
         except ValueError:
             _forget_refused_adapter(model, adapter_name)
             raise
@@ -219,6 +220,20 @@ def _check_no_strangers(config: Any, remapped: dict[str, torch.Tensor], model_st
             f"The Bitune checkpoint holds {len(strangers)} tensors this model has no place for (e.g. "
             f"{_listing(strangers)}): it does not match this base model or adapter config. {_base_model_hint(config)}"
         )
+
+
+def _check_finite(state_dict: dict[str, torch.Tensor], adapter_name: str) -> None:
+    """Refuse NaN or infinite values anywhere in the adapter: a model loaded with them generates nothing but one token
+    (a NaN mixing scalar makes every mixed key NaN), without a word."""
+    for key, value in state_dict.items():
+        if torch.is_floating_point(value) and not bool(torch.isfinite(value).all()):
+            count = int((~torch.isfinite(value)).sum())
+            raise ValueError(
+                f"The checkpoint of Bitune adapter `{adapter_name}` holds non-finite values (NaN or infinity): `{key}` "
+                f"has {count} of them (the first bad tensor). The file is damaged, or was saved after training "
+                "diverged; nothing was loaded. Use an earlier checkpoint, or train again (with a lower learning rate "
+                "if the loss went to NaN)."
+            )
 
 
 def _check_shapes(config: Any, remapped: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor]) -> None:

@@ -40,6 +40,37 @@ def test_bad_config_values_are_refused(kwargs, message):
         BituneConfig(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(train_mixing="no"), "`train_mixing` must be true or false, got 'no'"),
+        (dict(shared_weights=1), "`shared_weights` must be true or false, got 1"),
+        (dict(inference_mode="yes"), "`inference_mode` must be true or false, got 'yes'"),
+        (dict(mix_scale=float("inf")), "`mix_scale` must be a finite number, got inf"),
+        (dict(mix_init=float("nan")), "`mix_init` must be a finite number, got nan"),
+        (dict(mix_init="abc"), "`mix_init` must be a finite number, got 'abc'"),
+        (dict(mix_init=True), "`mix_init` must be a finite number, got True"),
+        (dict(multi_turn=None), r"`multi_turn` must be one of \['alternating', 'history'\], got None"),
+        (dict(adapter_config={"peft_type": "LORA", "r": "8"}), "`adapter_config.r` must be a finite number, got '8'"),
+        (dict(adapter_config={"peft_type": "LORA", "use_dora": "false"}), "`adapter_config.use_dora` must be true"),
+        (dict(adapter_config={"peft_type": "LORA", "bias": "some"}), "`adapter_config.bias` must be one of"),
+    ],
+)
+def test_config_values_of_the_wrong_type_are_refused_by_name(kwargs, message):
+    """JSON gives any type: "no" is a truthy string, Infinity a float, "8" a string PEFT compares with 0."""
+    with pytest.raises(ValueError, match=message):
+        BituneConfig(**kwargs)
+
+
+def test_config_values_of_the_right_types_are_kept():
+    config = BituneConfig(
+        mix_init=1, mix_scale=0.5, train_mixing=False, inference_mode=True,
+        adapter_config={"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj"]},
+    )
+    assert (config.mix_init, config.mix_scale, config.train_mixing, config.inference_mode) == (1, 0.5, False, True)
+    assert config.adapter_config.r == 4 and config.adapter_config.lora_alpha == 8.0
+
+
 def test_default_adapter_config_is_the_papers_lora():
     config = BituneConfig()
     assert config.adapter_config.r == 8 and config.adapter_config.lora_alpha == 16

@@ -694,8 +694,12 @@ def test_cli_refuses_to_turn_peft_off(tmp_path):
 
 
 def test_cli_covers_every_bitune_setting():
-    """Each `BituneConfig` field of its own (not PEFT's, not the weight-set method) is a `bitune-sft` flag."""
-    own_fields = set(BituneConfig.__dataclass_fields__) - set(PeftConfig.__dataclass_fields__) - {"adapter_config"}
+    """Each `BituneConfig` field of its own (not PEFT's, not the weight-set method, not a record of the base model) is
+    a `bitune-sft` flag."""
+    records = {"base_model_vocab_size", "base_model_num_hidden_layers"}
+    own_fields = (
+        set(BituneConfig.__dataclass_fields__) - set(PeftConfig.__dataclass_fields__) - {"adapter_config"} - records
+    )
     assert set(BituneArguments.__dataclass_fields__) == own_fields
 
 

@@ -37,16 +37,16 @@ TRAINING_MODULE = "trl_integration.cli"
 
 def _bitune_arguments() -> type:
     """
-    The Bitune settings of `BituneConfig` other than the weight-set method (which the `--lora_*` flags set), as a
-    dataclass for TRL's parser: the same names, types (a `Literal` gives its flag the choices), defaults and help
-    texts, taken from `BituneConfig` itself.
+    The Bitune settings of `BituneConfig` other than the weight-set method (which the `--lora_*` flags set) and the
+    records of the base model (which are not settings), as a dataclass for TRL's parser: the same names, types (a
+    `Literal` gives its flag the choices), defaults and help texts, taken from `BituneConfig` itself.
     """
     peft_fields = {f.name for f in dataclasses.fields(PeftConfig)}
     types = typing.get_type_hints(BituneConfig)
     settings = [
         (f.name, types[f.name], field(default=f.default, metadata=f.metadata))
         for f in dataclasses.fields(BituneConfig)
-        if f.name not in peft_fields and f.name != "adapter_config"
+        if f.name not in peft_fields and f.name != "adapter_config" and not f.metadata.get("recorded")
     ]
     arguments = dataclasses.make_dataclass("BituneArguments", settings)
     arguments.__module__ = __name__
