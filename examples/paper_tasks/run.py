@@ -53,14 +53,13 @@ import torch
 import transformers
 import trl
 from lm_eval.api.instance import Instance
-from lm_eval.models.huggingface import HFLM
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 from trl import SFTConfig, SFTTrainer
 
 from peft_bitune import BituneConfig, compat
 from peft_bitune.evaluation import wheel_data
-from peft_bitune.evaluation.harness import BituneLM
+from peft_bitune.evaluation.harness import BituneLM, PrefillOnceLM
 from peft_bitune.evaluation.tasks import PAPER_TASKS
 from peft_bitune.model import find_bitune_tuner
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
@@ -114,10 +113,13 @@ class Settings:
     logging_steps: int = 10
     threads: int = 1
 
-    def fingerprint(self) -> str:
-        """What decides a run's outcome (not which seeds or learning rates are run, nor the threads)."""
-        decisive = {k: v for k, v in asdict(self).items() if k not in ("seeds", "learning_rates", "threads",
-                                                                       "eval_batch_size")}
+    def fingerprint(self, scoring: bool = False) -> str:
+        """What decides a trained adapter (not which seeds or learning rates run, nor the threads), or with `scoring`
+        what decides its test scores (the test subsets): scoring a kept adapter on larger subsets needs no
+        retraining."""
+        names = ("test_rows", "mmlu_rows_per_subject") if scoring else (
+            "base", "steps", "batch_size", "rank", "max_length", "train_rows_per_task", "validation_rows_per_task")
+        decisive = {name: getattr(self, name) for name in names}
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -237,8 +239,9 @@ def train(method: str, learning_rate: float, seed: int, settings: Settings, data
 def score(model, tokenizer, examples: list[Example], settings: Settings, add_bos_token: bool) -> list[bool]:
     """Whether each example's highest-scoring choice (summed log-likelihood) is the right one."""
     is_bitune = find_bitune_tuner(model) is not None
-    harness = (BituneLM if is_bitune else HFLM)(pretrained=model, tokenizer=tokenizer, device=str(model.device),
-                                                batch_size=settings.eval_batch_size, add_bos_token=add_bos_token)
+    harness_class = BituneLM if is_bitune else PrefillOnceLM  # the same prefill-once scoring for every method
+    harness = harness_class(pretrained=model, tokenizer=tokenizer, device=str(model.device),
+                            batch_size=settings.eval_batch_size, add_bos_token=add_bos_token)
     requests = [Instance("loglikelihood", {}, (example.prompt, choice), i)
                 for i, (example, choice) in enumerate((e, c) for e in examples for c in e.choices)]
     scores = iter(log_likelihood for log_likelihood, _ in harness.loglikelihood(requests, disable_tqdm=True))
@@ -272,14 +275,19 @@ def test_scores(model, tokenizer, data: Data, settings: Settings, add_bos_token:
 
 # ---------------------------------------------------------------- runs, kept on disk
 class RunStore:
-    """One JSON record and one adapter folder per finished run in `work_dir`, keyed by the settings' fingerprint."""
+    """One JSON record and one adapter folder per trained run in `work_dir`, keyed by the training fingerprint; test
+    scores in a record of their own, keyed by the test subsets too."""
 
     def __init__(self, work_dir: str | None, settings: Settings) -> None:
         self.directory = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="paper-tasks-"))
         self.prefix = settings.fingerprint()
+        self.test_prefix = settings.fingerprint(scoring=True)
 
     def key(self, method: str, learning_rate: float, seed: int) -> str:
         return f"{self.prefix}-{method}-lr{learning_rate:g}-seed{seed}"
+
+    def test_key(self, key: str) -> str:
+        return f"{key}-test{self.test_prefix}"
 
     def record(self, key: str) -> dict | None:
         path = self.directory / f"{key}.json"
@@ -322,39 +330,42 @@ class Experiment:
         return record
 
     def seed_run(self, method: str, learning_rate: float, seed: int) -> dict:
-        """A chosen configuration at one seed, scored on the test subsets (the first seed's adapter is reloaded)."""
+        """A chosen configuration at one seed, scored on the test subsets (a kept adapter is reloaded)."""
         key = self.store.key(method, learning_rate, seed)
-        record = self.store.record(key) or {}
-        if "test" not in record:
-            if record:  # the search run: its adapter is on disk
-                base = AutoModelForCausalLM.from_pretrained(self.settings.base, dtype=torch.float32)
-                model = PeftModel.from_pretrained(base, self.store.adapter(key)).eval()
-            else:
+        record, tested = self.store.record(key), self.store.record(self.store.test_key(key))
+        if tested is None:
+            if record is None:
                 model, record = train(method, learning_rate, seed, self.settings, self.data, self.tokenizer)
                 model.save_pretrained(self.store.adapter(key))
+                self.store.put(key, record)
+            else:
+                base = AutoModelForCausalLM.from_pretrained(self.settings.base, dtype=torch.float32)
+                model = PeftModel.from_pretrained(base, self.store.adapter(key)).eval()
             started = time.time()
-            record["test"] = test_scores(model, self.tokenizer, self.data, self.settings, self.base.add_bos_token)
-            record["test_seconds"] = round(time.time() - started, 1)
-            self.store.put(key, record)
-        accuracy = record["test"]["accuracy"]
-        self.log(f"{method} lr {learning_rate:g} seed {seed}: " + ", ".join(f"{t} {a:.3f}" for t, a in
-                                                                         accuracy.items()) + f" {self._elapsed()}")
-        return record
+            tested = test_scores(model, self.tokenizer, self.data, self.settings, self.base.add_bos_token)
+            tested["test_seconds"] = round(time.time() - started, 1)
+            self.store.put(self.store.test_key(key), tested)
+        self.log(f"{method} lr {learning_rate:g} seed {seed}: " + ", ".join(
+            f"{task} {value:.3f}" for task, value in tested["accuracy"].items()) + f" {self._elapsed()}")
+        return {**record, "test": tested}
 
     def base_scores(self) -> dict:
         key = f"{self.store.prefix}-base"
-        record = self.store.record(key)
-        if record is None:
+        record, tested = self.store.record(key), self.store.record(self.store.test_key(key))
+        if record is None or tested is None:
             model = AutoModelForCausalLM.from_pretrained(self.settings.base, dtype=torch.float32).eval()
-            started = time.time()
-            record = {"test": test_scores(model, self.tokenizer, self.data, self.settings, self.base.add_bos_token),
-                      "test_seconds": round(time.time() - started, 1)}
-            outcomes = score(model, self.tokenizer, self.data.validation, self.settings, self.base.add_bos_token)
-            record["validation"] = accuracy_by_task(self.data.validation, outcomes)
-            self.store.put(key, record)
-        self.log("base: " + ", ".join(f"{t} {a:.3f}" for t, a in record["test"]["accuracy"].items())
+            if record is None:
+                outcomes = score(model, self.tokenizer, self.data.validation, self.settings, self.base.add_bos_token)
+                record = {"validation": accuracy_by_task(self.data.validation, outcomes)}
+                self.store.put(key, record)
+            if tested is None:
+                started = time.time()
+                tested = test_scores(model, self.tokenizer, self.data, self.settings, self.base.add_bos_token)
+                tested["test_seconds"] = round(time.time() - started, 1)
+                self.store.put(self.store.test_key(key), tested)
+        self.log("base: " + ", ".join(f"{task} {value:.3f}" for task, value in tested["accuracy"].items())
                  + f" {self._elapsed()}")
-        return record
+        return {**record, "test": tested}
 
     def run(self, methods: tuple[str, ...]) -> dict:
         settings = self.settings
