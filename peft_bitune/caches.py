@@ -23,6 +23,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
+from . import compat
 from .common import check_mask_shape, first_true
 from .mixing import BituneKVMixer, mix_key_values
 
@@ -150,6 +151,9 @@ class BituneCache(DynamicCache):
 
     def __init__(self, *args, owner: torch.nn.Module | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # The bidirectional prompt pass of the next turn reaches `sliding_window` positions back, one more than a
+        # transformers sliding-window layer keeps.
+        compat.keep_one_more_sliding_position(self)
         self.conversation_ids: torch.Tensor | None = None
         self.conversation_mask: torch.Tensor | None = None
         self._owner = weakref.ref(owner) if owner is not None else None

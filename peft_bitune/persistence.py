@@ -16,8 +16,8 @@ cannot do this: it looks for the adapter name as a whole key segment, and `"defa
 
 Loading is all-or-nothing: a checkpoint that lacks any weight of the adapter (a weight set, the mixing scalars), holds
 weights this model has no place for, holds weights of another shape (another base model) or holds NaN or infinite
-values is refused before anything is copied into the model. PEFT itself only warns about missing keys and never checks that a tensor it
-loads belongs anywhere.
+values is refused before anything is copied into the model. PEFT itself only warns about missing keys and never checks
+that a tensor it loads belongs anywhere.
 """
 
 from __future__ import annotations
@@ -229,10 +229,10 @@ def _check_finite(state_dict: dict[str, torch.Tensor], adapter_name: str) -> Non
         if torch.is_floating_point(value) and not bool(torch.isfinite(value).all()):
             count = int((~torch.isfinite(value)).sum())
             raise ValueError(
-                f"The checkpoint of Bitune adapter `{adapter_name}` holds non-finite values (NaN or infinity): `{key}` "
-                f"has {count} of them (the first bad tensor). The file is damaged, or was saved after training "
-                "diverged; nothing was loaded. Use an earlier checkpoint, or train again (with a lower learning rate "
-                "if the loss went to NaN)."
+                f"The checkpoint of Bitune adapter `{adapter_name}` holds non-finite values (NaN or infinity): "
+                f"`{key}` has {count} of them (the first bad tensor). The file is damaged, or was saved after "
+                "training diverged; nothing was loaded. Use an earlier checkpoint, or train again (with a lower "
+                "learning rate if the loss went to NaN)."
             )
 
 
