@@ -136,7 +136,9 @@ class BituneGenerationMixin:
         ], dim=1)
         if before_decoding is not None:
             with torch.no_grad():
-                self._hold_sequences(cache, before_decoding, sequences, conversation_mask, input_ids.shape[1])
+                self._hold_sequences(
+                    cache, before_decoding, sequences, conversation_mask, inputs_embeds, input_ids.shape[1]
+                )
         cache.record_conversation(sequences, conversation_mask)
         return output
 
@@ -146,27 +148,40 @@ class BituneGenerationMixin:
         before_decoding: BituneCache,
         sequences: torch.Tensor,
         conversation_mask: torch.Tensor,
+        inputs_embeds: torch.Tensor | None,
         input_width: int,
     ) -> None:
         """
         Make `cache` hold exactly `sequences`, row for row: the cache as it was before decoding (every column of the
-        input but the last), one copy per returned sequence, extended by a causal forward over each sequence's last
-        input token and generated tokens but the last (which was never fed, as in any decoding). This is what decoding
-        each sequence alone would have left, so a conversation goes on from any of them as from a fresh read.
+        input but the last), one copy per returned sequence, extended causally by each sequence's last input token
+        (its embedding, where the input came as embeddings) and generated tokens but the last (which was never fed,
+        as in any decoding). This is what decoding each sequence alone would have left, so a conversation goes on from
+        any of them as from a fresh read.
         """
-        before_decoding.batch_repeat_interleave(sequences.shape[0] // before_decoding.conversation_ids.shape[0])
+        rows_per_input = sequences.shape[0] // before_decoding.conversation_ids.shape[0]
+        before_decoding.batch_repeat_interleave(rows_per_input)
         start, end = input_width - 1, sequences.shape[1] - 1
+        if inputs_embeds is not None:
+            last_input = inputs_embeds[:, start:input_width].repeat_interleave(rows_per_input, dim=0)
+            self._run_causally(before_decoding, {"inputs_embeds": last_input}, conversation_mask, start, input_width)
+            start = input_width
         if end > start:
-            positions = positions_for(conversation_mask)
-            with self.weights(CAUSAL):
-                self.model(
-                    input_ids=sequences[:, start:end],
-                    attention_mask=conversation_mask[:, :end],
-                    position_ids=positions[:, start:end],
-                    **compat.with_cache(self.model, before_decoding),
-                    use_cache=True,
-                )
+            self._run_causally(before_decoding, {"input_ids": sequences[:, start:end]}, conversation_mask, start, end)
         cache.layers[:] = before_decoding.layers
+
+    def _run_causally(
+        self, cache: BituneCache, inputs: dict[str, torch.Tensor], attention_mask: torch.Tensor, start: int, end: int
+    ) -> None:
+        """Append columns `start:end` of a conversation (`inputs`: their ids or embeddings) to `cache`, read with the
+        causal weights as decoding reads them; `attention_mask` covers the whole conversation."""
+        with self.weights(CAUSAL):
+            self.model(
+                **inputs,
+                attention_mask=attention_mask[:, :end],
+                position_ids=positions_for(attention_mask)[:, start:end],
+                **compat.with_cache(self.model, cache),
+                use_cache=True,
+            )
 
     def _check_conversation(
         self, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
@@ -228,17 +243,10 @@ class BituneGenerationMixin:
         """Bring `cache` to the new instruction's last token: the previous answer's tail causally, then the new
         instruction minus its last token read twice over the whole cache, mixed and appended. The passes read
         `inputs_embeds` where given, the token ids otherwise."""
-        positions = positions_for(attention_mask)
         past, answered, width = cache.get_seq_length(), cache.conversation_length, input_ids.shape[1]
         if answered > past:
-            with self.weights(CAUSAL):
-                self.model(
-                    **_tokens(input_ids, inputs_embeds, past, answered),
-                    attention_mask=attention_mask[:, :answered],
-                    position_ids=positions[:, past:answered],
-                    **compat.with_cache(self.model, cache),
-                    use_cache=True,
-                )
+            tail = _tokens(input_ids, inputs_embeds, past, answered)  # the previous answer's last token(s)
+            self._run_causally(cache, tail, attention_mask, past, answered)
         if width - 1 == answered:
             return  # a one-token instruction adds nothing to mix
         passes = self._passes()
@@ -246,7 +254,7 @@ class BituneGenerationMixin:
             lambda: reading_pass_cache(cache, passes.stop_early),
             **_tokens(input_ids, inputs_embeds, answered, width - 1),
             attention_mask=attention_mask[:, : width - 1],
-            position_ids=positions[:, answered : width - 1],
+            position_ids=positions_for(attention_mask)[:, answered : width - 1],
         )
         append_key_values(cache, *mixed)
 

@@ -384,6 +384,30 @@ def test_generate_with_input_ids_and_inputs_embeds_reads_the_embeddings_in_every
         torch.testing.assert_close(second.logits[step][0], logits[start + step], atol=1e-4, rtol=0)
 
 
+def test_beams_over_inputs_embeds_then_a_continued_turn_equal_the_training_forward_on_the_embeddings(load_base):
+    """The cache after beam search is rebuilt for the returned sequences from the input's embeddings too."""
+    model = make_bitune(load_base("llama")).eval()
+    embed = model.get_input_embeddings()
+    prompt = prompts(seed=14, lengths=[7])[0]
+    embeds = embeddings_not_of_the_ids(model, prompt[None])
+    beams = dict(GREEDY, num_beams=3, num_return_sequences=3, return_dict_in_generate=True)
+    out = model.generate(input_ids=prompt[None], inputs_embeds=embeds, **beams)
+    instruction = prompts(seed=15, lengths=[3])[0]
+    conversation = torch.cat([out.sequences, instruction.expand(3, -1)], dim=1)
+    second = model.generate(input_ids=conversation, cache=compat.output_cache(out),
+                            **dict(GREEDY, output_logits=True, return_dict_in_generate=True))
+    width, new = len(prompt), GREEDY["max_new_tokens"]
+    for row in range(3):
+        answer, answer_2 = out.sequences[row, width:], second.sequences[row, conversation.shape[1] :]
+        with torch.no_grad():
+            row_embeds = torch.cat([embeds[0], embed(torch.cat([answer, instruction, answer_2]))])
+        labels = torch.cat([torch.full_like(prompt, -100), answer, torch.full_like(instruction, -100), answer_2])
+        logits = training_logits_from_embeddings(model, row_embeds, labels)
+        for step in range(new):
+            torch.testing.assert_close(second.logits[step][row], logits[len(labels) - new - 1 + step], atol=1e-4,
+                                       rtol=0)
+
+
 def test_inputs_embeds_that_do_not_embed_every_input_id_are_refused(load_base):
     model = make_bitune(load_base("llama")).eval()
     batch = left_padded(prompts(seed=3, lengths=[6]))
