@@ -224,12 +224,42 @@ def test_runner_runs_the_protocol_and_resumes(installed_fake_wheels, tmp_path, m
                 assert len(rows) == results["n_test"][task]
                 assert record["test"]["accuracy"][task] == pytest.approx(rows.count("1") / len(rows))
             assert ("alphas" in record) == (method == "bitune")
+    report = load_example("report")
+    report.main([str(first), "--json", str(tmp_path / "report.json"), "--images", str(tmp_path / "images" / "x")])
+    merged = json.loads((tmp_path / "report.json").read_text())
+    name = results["model"]
+    assert merged["n_test"][name] == results["n_test"] and merged["seeds"] == [0, 1]
+    for method in ("lora", "bitune"):
+        per_seed = [record["test"]["accuracy"]["piqa"] for record in results["runs"][method].values()]
+        assert merged["results"][name][method]["piqa"] == pytest.approx(per_seed)
+    difference = merged["bitune_minus_lora"][name]["average"]
+    assert difference["ci95"][0] <= difference["mean"] <= difference["ci95"][1]
+    assert sorted(path.name for path in (tmp_path / "images").iterdir()) == [
+        "x_accuracy.png", "x_alphas.png", "x_difference.png", "x_loss.png"]
     # Every run is kept: a second run trains and scores nothing, and reports the same.
     monkeypatch.setattr(runner, "train", lambda *args: pytest.fail("a kept run was trained again"))
     monkeypatch.setattr(runner, "score", lambda *args: pytest.fail("a kept run was scored again"))
     runner.main([*RUNNER_ARGUMENTS, "--work_dir", str(work_dir), "--json", str(second)])
     again = json.loads(second.read_text())
     assert again["runs"] == results["runs"] and again["base"] == results["base"]
+
+
+def test_paired_bootstrap_says_ahead_level_or_behind():
+    import numpy as np
+
+    report = load_example("report")
+    rows = np.array([[1, 0, 1, 0, 1, 0, 1, 0]] * 3, dtype=float)
+    better = {"piqa": np.ones_like(rows), "siqa": rows}
+    same = report.paired_bootstrap({"piqa": rows, "siqa": rows}, {"piqa": rows, "siqa": rows})
+    assert same["piqa"] == {"mean": 0.0, "ci95": [0.0, 0.0], "verdict": "level"}  # paired: the rows cancel
+    ahead = report.paired_bootstrap(better, {"piqa": rows, "siqa": rows})
+    assert ahead["piqa"]["verdict"] == "ahead" and ahead["piqa"]["mean"] == pytest.approx(0.5)
+    assert ahead["siqa"]["verdict"] == "level" and ahead["average"]["mean"] == pytest.approx(0.25)
+    behind = report.paired_bootstrap({"piqa": rows, "siqa": rows}, better)
+    assert behind["piqa"]["verdict"] == "behind" and behind["piqa"]["ci95"][1] < 0
+    noisy = {"piqa": np.array([[1, 0, 1, 1, 0, 1, 0, 0]] * 3, dtype=float), "siqa": rows}
+    level = report.paired_bootstrap(noisy, {"piqa": rows, "siqa": rows})["piqa"]
+    assert level["verdict"] == "level" and level["ci95"][0] < 0 < level["ci95"][1]
 
 
 def test_runner_refuses_bad_arguments_before_any_work(tmp_path, monkeypatch):
