@@ -430,7 +430,8 @@ def test_harness_tasks_score_the_paper_format_end_to_end(load_base, tokenizer, t
     for name, rows, split in (("piqa", piqa_rows, "validation"), ("gsm8k", gsm8k_rows, "test")):
         data_file = write_jsonl(tmp_path / f"{name}.jsonl", rows)
         overrides = {"task": f"local_{name}", "tag": [], "dataset_path": "json", "dataset_name": None,
-                     "training_split": None, "dataset_kwargs": {"data_files": {split: data_file}}}
+                     "training_split": None, "dataset_kwargs": {"data_files": {split: data_file}},
+                     "custom_dataset": None}  # the harness's own loading, of the local file
         if name == "gsm8k":
             overrides["generation_kwargs"] = {"until": ["Question:"], "max_gen_toks": 4, "do_sample": False}
         text = f"include: {Path(TASKS_DIR) / f'bitune_{name}.yaml'}\n"
