@@ -682,6 +682,83 @@ def test_bitune_sft_launches_through_accelerate_like_trl_sft(tmp_path, model_dir
     assert saved["peft_type"] == "BITUNE" and saved["adapter_config"]["r"] == 4
 
 
+def test_cli_refuses_an_empty_data_file_by_name(tmp_path, model_dir):
+    data = write_jsonl_dataset(tmp_path / "data", [])
+    with pytest.raises(ValueError, match=r"the data file .*/data/train\.jsonl is empty"):
+        cli_train(["--model_name_or_path", model_dir, "--dataset_name", str(data), "--output_dir", str(tmp_path / "o"),
+                   *CLI_TRAINING_FLAGS])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--dataset_train_split", "nosuch"],
+         r"`--dataset_train_split nosuch`: .* has no split 'nosuch'; its splits are \['train'\]"),
+        (["--eval_strategy", "steps", "--eval_steps", "1"],
+         r"`--dataset_test_split test`, but .* has no split 'test'; its splits are \['train'\].*--eval_strategy no"),
+    ],
+    ids=["train-split", "test-split"],
+)
+def test_cli_refuses_a_split_the_dataset_does_not_have(tmp_path, model_dir, flags, message):
+    data = write_jsonl_dataset(tmp_path / "data", helpers.prompt_completion_rows(8))
+    with pytest.raises(ValueError, match=message):
+        cli_train(["--model_name_or_path", model_dir, "--dataset_name", str(data), "--output_dir", str(tmp_path / "o"),
+                   *CLI_TRAINING_FLAGS, *flags])
+
+
+def test_cli_refuses_a_max_length_that_truncation_leaves_no_row_to_train_on(tmp_path, model_dir):
+    data = write_jsonl_dataset(tmp_path / "data", helpers.prompt_completion_rows(8))
+    with pytest.raises(ValueError, match=r"Every row of `train_dataset` \(8\) was dropped .* `max_length=8`"):
+        cli_train(["--model_name_or_path", model_dir, "--dataset_name", str(data), "--output_dir", str(tmp_path / "o"),
+                   *CLI_TRAINING_FLAGS, "--max_length", "8"])
+
+
+def test_rows_that_truncation_leaves_without_an_answer_are_counted_in_a_warning(tmp_path, model_dir):
+    with pytest.warns(UserWarning, match=r"6 of the 16 rows of `train_dataset` were dropped .* `max_length=10`"):
+        trainer = make_trainer(model_dir, tmp_path, max_length=10)
+    assert len(trainer.train_dataset) == 10
+
+
+def test_an_empty_dataset_is_refused_by_name(tmp_path, model_dir):
+    with pytest.raises(ValueError, match="`train_dataset` is empty"):
+        make_trainer(model_dir, tmp_path, rows=[])
+
+
+@pytest.mark.slow
+def test_bitune_sft_shows_the_training_process_error_last_and_exits_non_zero(tmp_path, model_dir):
+    """The launcher's own error (`CalledProcessError`) would otherwise be the last thing printed."""
+    data = write_jsonl_dataset(tmp_path / "data", helpers.prompt_completion_rows(8))
+    command = [
+        sys.executable, "-c", "from trl_integration.cli import main; main()",
+        "--model_name_or_path", model_dir, "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"),
+        *CLI_TRAINING_FLAGS, "--num_processes", "1", "--dataset_train_split", "nosuch",
+    ]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("bitune-sft: training failed: ValueError: `--dataset_train_split nosuch`"), (
+        result.stderr[-3000:]
+    )
+
+
+def test_bitune_sft_reports_a_training_process_killed_without_an_error(tmp_path, monkeypatch, capsys):
+    import accelerate.commands.launch
+
+    def killed(args):
+        assert os.path.isdir(os.environ["BITUNE_SFT_ERROR_FOLDER"])  # where a failing process writes its error
+        raise subprocess.CalledProcessError(returncode=137, cmd=["python"])
+
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", killed)
+    with pytest.raises(SystemExit) as exit_status:
+        cli_main(["--output_dir", str(tmp_path), "--use_cpu"])
+    assert exit_status.value.code == 137
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "bitune-sft: training failed: the training process exited with status 137 without reporting an error"
+    )
+    assert "BITUNE_SFT_ERROR_FOLDER" not in os.environ
+
+
 def test_bitune_sft_refuses_arguments_neither_training_nor_launcher_knows(tmp_path):
     with pytest.raises(ValueError, match=r"Unknown arguments \['--learnin_rate'.*accelerate launch"):
         cli_main(["--output_dir", str(tmp_path), "--use_cpu", "--learnin_rate", "1"])

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import os
 import textwrap
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -125,11 +126,13 @@ class BituneSFTTrainer(SFTTrainer):
                 "`formatting_func` turns every row into plain text, which has no instruction/answer boundary for "
                 f"Bitune to read. Format the rows into one of the formats that work instead: {_FORMATS_THAT_WORK}."
             )
+        rows_given = {}
         if train_dataset is not None:
             skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False))
             named = {"train_dataset": train_dataset, **_named_eval_datasets(eval_dataset)}
             for name, dataset in named.items():
                 _check_dataset_format(dataset, name, args, skip_prepare, custom_collator=data_collator is not None)
+            rows_given = {name: len(dataset) for name, dataset in named.items() if isinstance(dataset, Dataset)}
         super().__init__(
             model=model,
             args=args,
@@ -148,6 +151,8 @@ class BituneSFTTrainer(SFTTrainer):
             formatting_func=formatting_func,
         )
         self._check_after_setup()
+        prepared = {"train_dataset": self.train_dataset, **_named_eval_datasets(self.eval_dataset)}
+        _check_rows_kept(rows_given, prepared, self.args)
         keep_mixing_scalars_in_float32(self.model)
         if not any(isinstance(callback, BituneMixingCallback) for callback in self.callback_handler.callbacks):
             # First, so that the reporting integrations (`report_to`) see the values it adds to the logs.
@@ -354,7 +359,9 @@ def _check_dataset_format(
     dataset: Dataset | IterableDataset, name: str, args: BituneSFTConfig, skip_prepare: bool, custom_collator: bool
 ) -> None:
     """Refuse, from the first row, data whose labels will not mark an instruction before the answer."""
-    sample = next(iter(dataset))
+    sample = next(iter(dataset), None)
+    if sample is None:
+        raise ValueError(f"`{name}` is empty: give it at least one row (check the data files or the split).")
     if "image" in sample or "images" in sample:
         raise ValueError(
             f"`{name}` holds images. Bitune supports text-only causal language models; vision-language training is "
@@ -392,6 +399,32 @@ def _check_dataset_format(
         f"Bitune reads the instruction bidirectionally before training on the answer. Formats that work: "
         f"{_FORMATS_THAT_WORK}."
     )
+
+
+def _check_rows_kept(rows_given: dict[str, int], prepared: dict[str, Any], args: BituneSFTConfig) -> None:
+    """
+    TRL drops the rows that truncation to `max_length` leaves without a supervised token (the answer was cut off):
+    refuse a dataset that lost every row (training would fail later with "num_samples=0"), and warn about the rows
+    lost from one that kept some.
+    """
+    for name, given in rows_given.items():
+        dataset = prepared.get(name)
+        if not isinstance(dataset, Dataset) or len(dataset) == given:
+            continue
+        cause = (
+            f"truncating to `max_length={args.max_length}` tokens left them no supervised (answer) token, and TRL "
+            "drops such rows"
+        )
+        if len(dataset) == 0:
+            raise ValueError(
+                f"Every row of `{name}` ({given}) was dropped while TRL prepared it: {cause}. Raise `max_length` "
+                "(`--max_length`) above the prompt lengths, or shorten the prompts."
+            )
+        warnings.warn(
+            f"{given - len(dataset)} of the {given} rows of `{name}` were dropped while TRL prepared it: {cause}. "
+            "Raise `max_length` (`--max_length`) to train on them.",
+            stacklevel=3,
+        )
 
 
 def _check_prepared_labels(dataset: Any, name: str) -> None:
