@@ -93,7 +93,10 @@ class BituneGenerationMixin:
             kwargs["input_ids"] = args[0]
         input_ids = kwargs.get("input_ids")
         if input_ids is None:
-            raise ValueError("Bitune `generate` needs `input_ids`: the prompt is read twice by token.")
+            raise ValueError(
+                "Bitune `generate` needs `input_ids`, also with `inputs_embeds` (then the ids of the same positions): "
+                "the output names the prompt by them, and a conversation is continued and checked by them."
+            )
         check_not_empty(input_ids)
         with _checkpointing_off(self._module_index().checkpoint_layers):
             return self._generate(input_ids, kwargs)
