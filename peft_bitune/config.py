@@ -60,10 +60,12 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
             instruction segment is read twice over the cache so far and mixed, each answer runs causally, in order,
             without re-reading earlier segments. `"history"`: for each answer, everything before it is read as one
             instruction (simple, but re-encodes the history for every answer).
-        base_model_vocab_size, base_model_num_hidden_layers (`int`, *optional*):
-            Recorded from the base model when the adapter is created on it (like PEFT's `base_model_name_or_path`),
-            and saved with it; loading the adapter onto a base model of another vocabulary size or layer count is
-            refused. Not settings: leave them unset.
+        base_model_vocab_size (`int`, *optional*):
+            The vocabulary size of the base model, recorded when the adapter is created on it (like PEFT's
+            `base_model_name_or_path`) and saved with it: loading the adapter onto a base model of another vocabulary
+            size is refused. Not a setting: leave it unset.
+        base_model_num_hidden_layers (`int`, *optional*):
+            The base model's number of decoder layers, recorded and checked the same way.
 
     Example:
 

@@ -414,6 +414,8 @@ def test_inputs_embeds_that_do_not_embed_every_input_id_are_refused(load_base):
     embeds = model.get_input_embeddings()(batch["input_ids"])
     with pytest.raises(ValueError, match="give the embedding of every `input_ids` position"):
         model.generate(**batch, inputs_embeds=embeds[:, -1:], **GREEDY)
+    with pytest.raises(ValueError, match="needs `input_ids`, also with `inputs_embeds`"):
+        model.generate(inputs_embeds=embeds, **GREEDY)
 
 
 # ---------------------------------------------------------------------------------------------------- positions
