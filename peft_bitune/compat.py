@@ -11,9 +11,8 @@ Everything peft-bitune needs from other libraries beyond their public API, decid
 2. Private attributes and methods of transformers, PEFT, torch and accelerate that Bitune must read or set because
    no public interface does what it needs: routing PEFT's layers to one weight set, keeping caches in checkpointed
    layers, one more position in the generation cache's sliding-window layers, transformers' own resolution of
-   generation arguments, finding hooks around a module's forward, adding a
-   member to PEFT's closed `PeftType` enum. Each one has a test in tests/test_private_interfaces.py that fails with a
-   clear message when an upgrade moves it.
+   generation arguments, finding hooks around a module's forward, adding a member to PEFT's closed `PeftType` enum.
+   Each one has a test in tests/test_private_interfaces.py that fails with a clear message when an upgrade moves it.
 
 Every other module uses these through the functions here. Overrides of other libraries' private methods must live
 on their classes: `BituneKVMixer._apply` (torch's dtype casts; tested in tests/test_forward.py) and the `BaseTuner`

@@ -471,3 +471,7 @@ def test_models_that_declare_more_positions_generate_past_max_position_embedding
     out = model.generate(input_ids=prompt, **dict(GREEDY, max_new_tokens=8))
     assert out.shape[1] == 268
     assert out[0, 260:].tolist() == reference_greedy(model, prompt[0], 8)
+    # One rule everywhere: a training row past 256 positions is not refused either.
+    labels = out.clone()
+    labels[:, :260] = -100
+    assert torch.isfinite(model(input_ids=out, labels=labels).loss)

@@ -5,7 +5,9 @@ It parses the same arguments with TRL's own parser and configs (`ScriptArguments
 adapter (`--use_peft` is implied and hidden). The `--lora_*` flags configure the method of both weight sets; their
 defaults are Bitune's (LoRA r=8, alpha=16, no dropout, all linear layers) rather than `trl sft`'s (16, 32, 0.05,
 PEFT's per-architecture target modules). Like `trl sft`, it launches itself through `accelerate launch`: arguments
-that are not training arguments (`--num_processes`, `--config_file`, `--accelerate_config`) go to the launcher.
+that are not training arguments (`--num_processes`, `--config_file`, `--accelerate_config`) go to the launcher. When a
+training process fails, its error is the last line `bitune-sft` prints (not the launcher's), and the exit status is
+the process's. A dataset's empty data files and missing splits are refused by name before the model loads.
 
 ```bash
 bitune-sft --model_name_or_path Qwen/Qwen2-0.5B --dataset_name trl-lib/tldr --output_dir Qwen2-0.5B-Bitune \
