@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from conftest import ATTENTION_CASES, VOCAB
 from peft_bitune import compat
 from peft_bitune.passes import BitunePasses
 from reference import left_padded, make_bitune, reference_greedy, reference_prefill
+from tiny_models import ATTENTION_CASES, VOCAB
 
 PROMPT_LENGTHS = [9, 1, 4, 12]
 
@@ -422,7 +422,7 @@ def test_inputs_embeds_that_do_not_embed_every_input_id_are_refused(load_base):
 def llama_with(**changes):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from conftest import COMMON
+    from tiny_models import COMMON
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(LlamaConfig(**{**COMMON, "num_key_value_heads": 2, **changes})).eval()
