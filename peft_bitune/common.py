@@ -23,11 +23,10 @@ INNER_SEPARATOR = "__"
 # The tuner's attribute (and checkpoint key segment) holding each adapter's mixing scalars.
 MIXERS_ATTRIBUTE = "bitune_mixers"
 
-# The allowed values of `BituneConfig.second_pass_attention` and `BituneConfig.multi_turn`.
+# The allowed values of `BituneConfig.second_pass_attention` and `BituneConfig.multi_turn` (checked by
+# `field_types.check_field_types` from the annotations).
 SecondPassAttention = Literal["bidirectional", "causal"]
-SECOND_PASS_ATTENTIONS: tuple[SecondPassAttention, ...] = get_args(SecondPassAttention)
 MultiTurnMode = Literal["alternating", "history"]
-MULTI_TURN_MODES: tuple[MultiTurnMode, ...] = get_args(MultiTurnMode)
 
 # The label of positions without loss, as in transformers and TRL.
 IGNORE_INDEX = -100
@@ -56,8 +55,39 @@ def text_config(model: Any) -> Any:
 
 
 def max_positions(model: Any) -> int | None:
-    """How many positions the model has, if its config says."""
-    return getattr(text_config(model), "max_position_embeddings", None)
+    """
+    How many positions a sequence (prompt, training row, conversation, prompt plus generated tokens) may take: the
+    config's `max_position_embeddings`, or `None` (no limit) where the model declares it can go further or says
+    nothing.
+
+    Two kinds of config declare it: rope scaling (a `rope_type` other than "default", on any layer type), where
+    `max_position_embeddings` no longer states the usable length reliably (it is the scaled length in some configs, the
+    original one in others, e.g. a YaRN factor added to Qwen2.5), and sliding-window attention on every layer, where
+    each layer attends to its window only, however long the sequence.
+    """
+    config = text_config(model)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is None or has_rope_scaling(config) or slides_on_every_layer(config):
+        return None
+    return limit
+
+
+def has_rope_scaling(config: Any) -> bool:
+    """Whether the config scales its rotary position embeddings (`rope_parameters`, `rope_scaling` before
+    transformers 5; one dict, or one per layer type)."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    per_type = parameters.values() if all(isinstance(value, dict) for value in parameters.values()) else [parameters]
+    return any(
+        (entry.get("rope_type") or entry.get("type") or "default") != "default" for entry in per_type if entry
+    )
+
+
+def slides_on_every_layer(config: Any) -> bool:
+    """Whether every layer attends within a sliding window, as transformers' own generation cache sees it."""
+    from transformers import DynamicCache
+
+    sliding = DynamicCache(config=config).is_sliding
+    return bool(sliding) and all(sliding)
 
 
 def num_layers(model: Any) -> int:
@@ -87,6 +117,18 @@ def first_true(mask: Any) -> tuple[int, int] | None:
     """The (row, column) of the first true entry of a 2-D boolean tensor, for an error message; `None` if none is."""
     found = mask.nonzero()
     return (int(found[0, 0]), int(found[0, 1])) if len(found) else None
+
+
+def has_holes(attention_mask: Any) -> Any:
+    """
+    Which rows of a (batch, seq) attention mask have a hole, as a (batch,) boolean tensor. A hole is padding between
+    two real tokens of a row; padding before a row's first real token or after its last one is not a hole, and an
+    all-padding row has none. Bitune's passes need each row's real tokens as one contiguous run.
+    """
+    valid = attention_mask.bool()
+    first = valid.int().argmax(dim=1)
+    last = valid.shape[1] - 1 - valid.flip(1).int().argmax(dim=1)
+    return valid.any(dim=1) & (last - first + 1 != valid.sum(dim=1))
 
 
 def format_rows(rows: Sequence[int], most: int = 8) -> str:

@@ -10,9 +10,9 @@ Everything peft-bitune needs from other libraries beyond their public API, decid
      (the old names go away in 6.0).
 2. Private attributes and methods of transformers, PEFT, torch and accelerate that Bitune must read or set because
    no public interface does what it needs: routing PEFT's layers to one weight set, keeping caches in checkpointed
-   layers, transformers' own resolution of generation arguments, finding hooks around a module's forward, adding a
-   member to PEFT's closed `PeftType` enum. Each one has a test in tests/test_private_interfaces.py that fails with a
-   clear message when an upgrade moves it.
+   layers, one more position in the generation cache's sliding-window layers, transformers' own resolution of
+   generation arguments, finding hooks around a module's forward, adding a member to PEFT's closed `PeftType` enum.
+   Each one has a test in tests/test_private_interfaces.py that fails with a clear message when an upgrade moves it.
 
 Every other module uses these through the functions here. Overrides of other libraries' private methods must live
 on their classes: `BituneKVMixer._apply` (torch's dtype casts; tested in tests/test_forward.py) and the `BaseTuner`
@@ -37,6 +37,7 @@ from peft.tuners.tuners_utils import (
 from peft.utils import PeftType
 from torch import nn
 from transformers import PreTrainedModel, TrainingArguments
+from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -170,6 +171,23 @@ def inferred_attention_mask(model: PreTrainedModel, input_ids: Any, generation_c
         generation_config, kwargs_has_attention_mask=False, device=input_ids.device, batch_size=input_ids.shape[0]
     )
     return model._prepare_attention_mask_for_generation(input_ids, generation_config, {})
+
+
+def keep_one_more_sliding_position(cache: Any) -> None:
+    """
+    Make each sliding-window layer of a new, empty generation cache keep `sliding_window` past positions instead of
+    transformers' `sliding_window - 1`, by replacing it with a `DynamicSlidingWindowLayer` of a window one wider.
+
+    `DynamicSlidingWindowLayer` keeps what a causal query can reach (`kv > q - sliding_window`), but transformers'
+    bidirectional sliding mask reaches one position further (`|q - kv| <= sliding_window`), and the bidirectional
+    prompt pass of a continued conversation reads the generation cache. The masks themselves come from the config's
+    `sliding_window`, so the extra position is masked out of every causal step.
+    """
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            if layer.is_initialized:
+                raise RuntimeError("Only an empty cache's sliding-window layers can be widened.")
+            cache.layers[index] = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window + 1)
 
 
 def attention_implementation(model: PreTrainedModel) -> str:

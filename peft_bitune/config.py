@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from peft import LoraConfig, PeftConfig
@@ -12,8 +12,6 @@ from peft.utils import PeftType, TaskType
 from .common import (
     BITUNE_TYPE_NAME,
     CAUSAL,
-    MULTI_TURN_MODES,
-    SECOND_PASS_ATTENTIONS,
     WEIGHT_SETS,
     MultiTurnMode,
     SecondPassAttention,
@@ -21,6 +19,7 @@ from .common import (
     peft_type_name,
 )
 from .config_files import BituneConfigFileMixin
+from .field_types import check_field_types
 
 # PEFT methods that cannot hold the two weight sets side by side in one model, with the reason a user needs.
 _REFUSED_METHODS = {
@@ -61,6 +60,12 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
             instruction segment is read twice over the cache so far and mixed, each answer runs causally, in order,
             without re-reading earlier segments. `"history"`: for each answer, everything before it is read as one
             instruction (simple, but re-encodes the history for every answer).
+        base_model_vocab_size (`int`, *optional*):
+            The vocabulary size of the base model, recorded when the adapter is created on it (like PEFT's
+            `base_model_name_or_path`) and saved with it: loading the adapter onto a base model of another vocabulary
+            size is refused. Not a setting: leave it unset.
+        base_model_num_hidden_layers (`int`, *optional*):
+            The base model's number of decoder layers, recorded and checked the same way.
 
     Example:
 
@@ -96,8 +101,19 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
             "help": "Training on rows with several instruction/answer segments: 'alternating' or whole 'history'."
         },
     )
+    # Recorded from the base model when the adapter is created, not settings: loading refuses a base of another shape
+    # (see `base_model_records.py`). Adapters saved before these records existed have none.
+    base_model_vocab_size: int | None = field(
+        default=None, metadata={"help": "Vocabulary size of the base model (recorded).", "recorded": True}
+    )
+    base_model_num_hidden_layers: int | None = field(
+        default=None, metadata={"help": "Number of decoder layers of the base model (recorded).", "recorded": True}
+    )
 
     def __post_init__(self) -> None:
+        # Before anything reads a value: e.g. `train_mixing="no"` would be truthy.
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "adapter_config"}
+        check_field_types(type(self), values)
         super().__post_init__()
         self.peft_type = PeftType[BITUNE_TYPE_NAME]
         if self.task_type is None:
@@ -112,12 +128,6 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
             raise ValueError(f"`mix_scale` must be positive, got {self.mix_scale}.")
         if self.mix_init < 0:
             raise ValueError(f"`mix_init` must be non-negative (alpha uses |w|), got {self.mix_init}.")
-        if self.multi_turn not in MULTI_TURN_MODES:
-            raise ValueError(f"`multi_turn` must be one of {MULTI_TURN_MODES}, got {self.multi_turn!r}.")
-        if self.second_pass_attention not in SECOND_PASS_ATTENTIONS:
-            raise ValueError(
-                f"`second_pass_attention` must be one of {SECOND_PASS_ATTENTIONS}, got {self.second_pass_attention!r}."
-            )
 
     @staticmethod
     def _build_adapter_config(adapter_config: PeftConfig | dict | None) -> PeftConfig:
@@ -129,7 +139,9 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
                 raise ValueError(
                     f"`adapter_config` must name a known PEFT method in its 'peft_type', got {peft_type!r}."
                 )
-            adapter_config = PEFT_TYPE_TO_CONFIG_MAPPING[peft_type](**adapter_config)
+            config_cls = PEFT_TYPE_TO_CONFIG_MAPPING[peft_type]
+            check_field_types(config_cls, adapter_config, prefix="adapter_config.")
+            adapter_config = config_cls(**adapter_config)
         if not isinstance(adapter_config, PeftConfig):
             raise TypeError(
                 "`adapter_config` must be a PEFT config such as `LoraConfig(...)`, got "

@@ -7,21 +7,40 @@ token runs causally, the new instruction minus its last token is read twice over
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol
 
 import torch
+from transformers import PreTrainedModel
+from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from . import compat
 from .caches import BituneCache, append_key_values, pass_cache, reading_pass_cache
-from .common import CAUSAL, max_positions, text_config
-from .inputs import attention_mask_for, check_not_empty, check_prompts, has_holes, positions_for
+from .common import CAUSAL, WeightSet, has_holes, max_positions, text_config
+from .inputs import attention_mask_for, check_not_empty, check_prompts, positions_for
+from .passes import BitunePasses
+from .routing import LayerRouter
+
+
+class GenerationHost(Protocol):
+    """What `BituneGenerationMixin` uses of the tuner it is mixed into (`BituneModel`), and all that it may use (a test
+    reads the mixin's source and checks it)."""
+
+    model: PreTrainedModel
+    _router: LayerRouter
+
+    def weights(self, weight_set: WeightSet) -> AbstractContextManager[None]: ...
+
+    def _passes(self) -> BitunePasses: ...
+
+    def _adapters_disabled(self) -> bool: ...
 
 
 class BituneGenerationMixin:
-    """`prefill` and `generate` of `BituneModel`."""
+    """`prefill` and `generate` of `BituneModel`; what they use of it is declared by `GenerationHost`."""
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None) -> BituneCache:
@@ -36,10 +55,14 @@ class BituneGenerationMixin:
             attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
         """
         attention_mask = check_prompts(input_ids, attention_mask, max_positions(self.model))
-        with _checkpointing_off(self._module_index().checkpoint_layers):
+        with _checkpointing_off(self._router.index.checkpoint_layers):
             return self._prefill_cache(input_ids, attention_mask)
 
-    def _prefill_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> BituneCache:
+    def _prefill_cache(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> BituneCache:
+        """The mixed cache of the prompts minus their last token; the passes read `inputs_embeds` where given (the
+        embeddings of every `input_ids` position), the token ids otherwise."""
         prompt_ids, prompt_mask = input_ids[:, :-1], attention_mask[:, :-1]
         cache = BituneCache(config=self.model.config, owner=self.model)
         cache.record_conversation(prompt_ids, prompt_mask)
@@ -48,7 +71,7 @@ class BituneGenerationMixin:
         passes = self._passes()
         mixed = passes.read_twice(
             lambda: pass_cache(len(cache.layers), record=True, stop_after_last_record=passes.stop_early),
-            input_ids=prompt_ids,
+            **_tokens(input_ids, inputs_embeds, 0, -1),
             attention_mask=prompt_mask,
             position_ids=positions_for(prompt_mask),
         )
@@ -65,6 +88,13 @@ class BituneGenerationMixin:
         left-padded within the new part; only the new part is read. Before transformers 5.24 both were called
         `past_key_values`; that name is accepted too.
 
+        With `inputs_embeds` (the embeddings of every `input_ids` position, as transformers takes them), every pass
+        reads the embeddings, and `input_ids` only names the tokens (in the output, and to check a continued chat).
+
+        With beam search, the returned cache holds exactly the returned sequences, row for row, so that a conversation
+        can go on from any of them. Assisted generation (`assistant_model`, `prompt_lookup_num_tokens`, ...) is
+        refused, and so is a prompt plus `max_new_tokens` longer than the model's positions (see `max_positions`).
+
         With `output_attentions=True`, the attentions of the first step cover only the last prompt token (query length
         1, over the mixed cache), not the whole prompt as with the base model: the rest of the prompt was read by the
         two prompt passes. `peft_bitune.visualize.attention_maps` returns the attention of those passes.
@@ -80,42 +110,101 @@ class BituneGenerationMixin:
             kwargs["input_ids"] = args[0]
         input_ids = kwargs.get("input_ids")
         if input_ids is None:
-            raise ValueError("Bitune `generate` needs `input_ids`: the prompt is read twice by token.")
+            raise ValueError(
+                "Bitune `generate` needs `input_ids`, also with `inputs_embeds` (then the ids of the same positions): "
+                "the output names the prompt by them, and a conversation is continued and checked by them."
+            )
         check_not_empty(input_ids)
-        with _checkpointing_off(self._module_index().checkpoint_layers):
+        with _checkpointing_off(self._router.index.checkpoint_layers):
             return self._generate(input_ids, kwargs)
 
     def _generate(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         cache = compat.pop_cache(kwargs)
+        continuing = cache is not None
         # transformers' own resolution and checks of the generation arguments, before the prompt passes run.
         generation_config = _generation_config(self.model, kwargs)
         expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        inputs_embeds = _checked_embeddings(kwargs.get("inputs_embeds"), input_ids)
         attention_mask = kwargs.get("attention_mask")
         if attention_mask is None:
             attention_mask = compat.inferred_attention_mask(self.model, input_ids, generation_config)
-        if cache is None:
-            attention_mask = check_prompts(input_ids, attention_mask, max_positions(self.model))
-            with torch.no_grad():
-                cache = self._prefill_cache(input_ids, attention_mask)
-            if expand > 1:
-                cache.batch_repeat_interleave(expand)
+        if continuing:
+            attention_mask = self._check_conversation(cache, input_ids, attention_mask)
         else:
-            attention_mask = self._check_conversation(cache, input_ids, attention_mask, expand)
-            with torch.no_grad():
-                self._continue_conversation(cache, input_ids, attention_mask)
+            attention_mask = check_prompts(input_ids, attention_mask, max_positions(self.model))
+        _check_generation_fits(self.model, generation_config, kwargs, attention_mask)
+        with torch.no_grad():
+            if continuing:
+                self._continue_conversation(cache, input_ids, attention_mask, inputs_embeds)
+            else:
+                cache = self._prefill_cache(input_ids, attention_mask, inputs_embeds)
+        # Beam search leaves the cache rows of its last running beams, not of the sequences it returns: keep the
+        # cache as it is before decoding, to rebuild the returned sequences' rows where the caller can reach the cache.
+        before_decoding = None
+        if (generation_config.num_beams or 1) > 1 and (continuing or generation_config.return_dict_in_generate):
+            before_decoding = copy.deepcopy(cache)
+        if expand > 1:
+            cache.batch_repeat_interleave(expand)
         kwargs["attention_mask"] = attention_mask
         output = self.model.generate(**{compat.CACHE_NAME: cache}, **kwargs)
         sequences = output.sequences if hasattr(output, "sequences") else output
         rows_per_prompt = sequences.shape[0] // attention_mask.shape[0]
         generated = sequences.shape[1] - attention_mask.shape[1]
-        cache.record_conversation(sequences, torch.cat([
+        conversation_mask = torch.cat([
             attention_mask.repeat_interleave(rows_per_prompt, dim=0),
             attention_mask.new_ones(sequences.shape[0], generated),  # what `generate` fed for every new token
-        ], dim=1))
+        ], dim=1)
+        if before_decoding is not None:
+            with torch.no_grad():
+                self._hold_sequences(
+                    cache, before_decoding, sequences, conversation_mask, inputs_embeds, input_ids.shape[1]
+                )
+        cache.record_conversation(sequences, conversation_mask)
         return output
 
+    def _hold_sequences(
+        self,
+        cache: BituneCache,
+        before_decoding: BituneCache,
+        sequences: torch.Tensor,
+        conversation_mask: torch.Tensor,
+        inputs_embeds: torch.Tensor | None,
+        input_width: int,
+    ) -> None:
+        """
+        Make `cache` hold exactly `sequences`, row for row: the cache as it was before decoding (every column of the
+        input but the last), one copy per returned sequence, extended causally by each sequence's last input token
+        (its embedding, where the input came as embeddings) and generated tokens but the last (which was never fed,
+        as in any decoding). This is what decoding each sequence alone would have left, so a conversation goes on from
+        any of them as from a fresh read.
+        """
+        rows_per_input = sequences.shape[0] // before_decoding.conversation_ids.shape[0]
+        before_decoding.batch_repeat_interleave(rows_per_input)
+        start, end = input_width - 1, sequences.shape[1] - 1
+        if inputs_embeds is not None:
+            last_input = inputs_embeds[:, start:input_width].repeat_interleave(rows_per_input, dim=0)
+            self._run_causally(before_decoding, {"inputs_embeds": last_input}, conversation_mask, start, input_width)
+            start = input_width
+        if end > start:
+            self._run_causally(before_decoding, {"input_ids": sequences[:, start:end]}, conversation_mask, start, end)
+        cache.layers[:] = before_decoding.layers
+
+    def _run_causally(
+        self, cache: BituneCache, inputs: dict[str, torch.Tensor], attention_mask: torch.Tensor, start: int, end: int
+    ) -> None:
+        """Append columns `start:end` of a conversation (`inputs`: their ids or embeddings) to `cache`, read with the
+        causal weights as decoding reads them; `attention_mask` covers the whole conversation."""
+        with self.weights(CAUSAL):
+            self.model(
+                **inputs,
+                attention_mask=attention_mask[:, :end],
+                position_ids=positions_for(attention_mask)[:, start:end],
+                **compat.with_cache(self.model, cache),
+                use_cache=True,
+            )
+
     def _check_conversation(
-        self, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, expand: int
+        self, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
         """Refuse, before any compute, a cache or input that cannot continue this conversation."""
         if not isinstance(cache, BituneCache):
@@ -146,15 +235,11 @@ class BituneGenerationMixin:
                 f"`cache` holds {layer.keys.shape[0]} sequences but `input_ids` has {input_ids.shape[0]} "
                 "rows; continue each conversation with exactly one row."
             )
-        if expand > 1:
-            raise NotImplementedError(
-                "Continuing a conversation supports one sequence per row (`num_beams=1`, `num_return_sequences=1`)."
-            )
         attention_mask = attention_mask_for(input_ids, attention_mask)
         cache.check_continuation(input_ids, attention_mask)
         if not bool(attention_mask[:, -1].bool().all()):
             raise ValueError("The new instruction must be left-padded: every row must end with a real token.")
-        if any(cache.is_sliding) and has_holes(attention_mask):
+        if any(cache.is_sliding) and bool(has_holes(attention_mask).any()):
             raise ValueError(
                 "This model has sliding-window layers, whose window is counted in cache columns, and the conversation "
                 "has padding between real tokens (rows whose turns have different lengths). Continue such "
@@ -169,31 +254,87 @@ class BituneGenerationMixin:
         return attention_mask
 
     def _continue_conversation(
-        self, cache: BituneCache, input_ids: torch.Tensor, attention_mask: torch.Tensor
+        self,
+        cache: BituneCache,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> None:
         """Bring `cache` to the new instruction's last token: the previous answer's tail causally, then the new
-        instruction minus its last token read twice over the whole cache, mixed and appended."""
-        positions = positions_for(attention_mask)
+        instruction minus its last token read twice over the whole cache, mixed and appended. The passes read
+        `inputs_embeds` where given, the token ids otherwise."""
         past, answered, width = cache.get_seq_length(), cache.conversation_length, input_ids.shape[1]
         if answered > past:
-            with self.weights(CAUSAL):
-                self.model(
-                    input_ids=input_ids[:, past:answered],
-                    attention_mask=attention_mask[:, :answered],
-                    position_ids=positions[:, past:answered],
-                    **compat.with_cache(self.model, cache),
-                    use_cache=True,
-                )
+            tail = _tokens(input_ids, inputs_embeds, past, answered)  # the previous answer's last token(s)
+            self._run_causally(cache, tail, attention_mask, past, answered)
         if width - 1 == answered:
             return  # a one-token instruction adds nothing to mix
         passes = self._passes()
         mixed = passes.read_twice(
             lambda: reading_pass_cache(cache, passes.stop_early),
-            input_ids=input_ids[:, answered : width - 1],
+            **_tokens(input_ids, inputs_embeds, answered, width - 1),
             attention_mask=attention_mask[:, : width - 1],
-            position_ids=positions[:, answered : width - 1],
+            position_ids=positions_for(attention_mask)[:, answered : width - 1],
         )
         append_key_values(cache, *mixed)
+
+
+def _tokens(
+    input_ids: torch.Tensor, inputs_embeds: torch.Tensor | None, start: int, end: int
+) -> dict[str, torch.Tensor]:
+    """Columns `start:end` of the input, as a pass reads them: the embeddings where given, else the token ids."""
+    if inputs_embeds is not None:
+        return {"inputs_embeds": inputs_embeds[:, start:end]}
+    return {"input_ids": input_ids[:, start:end]}
+
+
+def _checked_embeddings(inputs_embeds: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """`inputs_embeds` given with `input_ids` must embed every one of its positions (transformers' `generate` then
+    reads the embeddings and only reports the ids), so that every pass can read them."""
+    if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[:2] != input_ids.shape):
+        raise ValueError(
+            f"`inputs_embeds` has shape {tuple(inputs_embeds.shape)} but `input_ids` has {tuple(input_ids.shape)}: "
+            "give the embedding of every `input_ids` position, (batch_size, seq_len, hidden_size), or only "
+            "`input_ids`."
+        )
+    return inputs_embeds
+
+
+def _check_generation_fits(
+    model: Any, generation_config: Any, kwargs: dict[str, Any], attention_mask: torch.Tensor
+) -> None:
+    """
+    Refuse, before the prefill, a generation that can run past the model's positions (`max_positions`): the longest
+    row's real tokens plus the tokens it may generate. Without `max_new_tokens` or any `max_length` set, transformers
+    generates at most 20 tokens and stops at the model's positions by itself; nothing to check then.
+    """
+    limit = max_positions(model)
+    if limit is None:
+        return
+    width = attention_mask.shape[1]
+    if generation_config.max_new_tokens is not None:
+        new_tokens, setting = generation_config.max_new_tokens, f"max_new_tokens={generation_config.max_new_tokens}"
+    elif _max_length_is_set(model, kwargs):
+        new_tokens, setting = generation_config.max_length - width, f"max_length={generation_config.max_length}"
+    else:
+        return
+    longest = int(attention_mask.sum(dim=1).max())
+    if longest + new_tokens > limit:
+        raise ValueError(
+            f"The longest input has {longest} tokens and `{setting}` lets it grow to {longest + new_tokens}, past the "
+            f"model's {limit} positions (`max_position_embeddings`); nothing would stop it there. Set "
+            f"`max_new_tokens` to at most {limit - longest}, or shorten the input."
+        )
+
+
+def _max_length_is_set(model: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether `max_length` was set (as an argument, in the given generation config, or in the model's), so that
+    transformers takes it as the total length rather than generating its default 20 tokens."""
+    given = kwargs.get("generation_config")
+    return any(
+        value is not None
+        for value in (kwargs.get("max_length"), getattr(given, "max_length", None), model.generation_config.max_length)
+    )
 
 
 @contextmanager
@@ -213,9 +354,19 @@ def _checkpointing_off(checkpoint_layers: Iterable[GradientCheckpointingLayer]) 
 def _generation_config(model: Any, kwargs: dict[str, Any]) -> Any:
     """
     The generation config `generate` will use, resolved and validated by transformers' own code (e.g. it refuses
-    `max_new_tokens=0`), so that bad arguments fail before the prompt passes run. Refuses `use_cache=False`.
+    `max_new_tokens=0`), so that bad arguments fail before the prompt passes run. Refuses assisted generation and
+    `use_cache=False`.
     """
     generation_config = compat.resolved_generation_config(model, kwargs)
+    mode = generation_config.get_generation_mode(kwargs.get("assistant_model"))
+    if mode == GenerationMode.ASSISTED_GENERATION:
+        raise ValueError(
+            "Assisted generation (`assistant_model`, `prompt_lookup_num_tokens`, `assistant_early_exit`) is not "
+            "supported by Bitune generation: transformers' assisted decoding begins by re-reading the whole input "
+            "causally on top of the cache it is given, and the cache Bitune gives it already holds the mixed prompt, "
+            "so the answer would differ from plain decoding. Remove the assistant arguments; decoding a token costs "
+            "what it costs for the base model with one adapter."
+        )
     if generation_config.use_cache is False:
         raise ValueError(
             "`use_cache=False` is not supported by Bitune generation: the prompt is read twice and the two key/value "

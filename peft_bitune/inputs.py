@@ -1,4 +1,5 @@
-"""What a Bitune training forward or `generate` is given, checked before any compute.
+"""What Bitune is given, checked before any compute: the base model (before an adapter's weights are created), and
+the arguments of a training forward or of `generate`.
 
 The passes cover different parts of each row, so some arguments of a transformers forward cannot be handed on, and
 Bitune's prompts and rows have shapes a plain causal LM does not require (left-padded prompts, one contiguous run of
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .common import check_fits_positions, check_mask_shape, first_true, format_rows
+from .common import check_fits_positions, check_mask_shape, first_true, format_rows, has_holes, text_config
 
 
 def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -25,13 +26,6 @@ def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
 def positions_for(attention_mask: torch.Tensor) -> torch.Tensor:
     """Ordinary position ids, as transformers' `generate` computes them: real tokens counted from 0."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def has_holes(attention_mask: torch.Tensor) -> bool:
-    valid = attention_mask.bool()
-    starts = valid.int().argmax(dim=1)
-    expected = torch.arange(valid.shape[1], device=valid.device)[None, :] >= starts[:, None]
-    return bool((valid != expected).any())
 
 
 def check_not_empty(input_ids: torch.Tensor) -> None:
@@ -61,10 +55,52 @@ def check_prompts(
             f"Prompt rows {rows} are right-padded. Bitune generation continues every prompt from its last token, so "
             "prompts must be left-padded: set `tokenizer.padding_side = 'left'`."
         )
-    if has_holes(attention_mask):
+    if bool(has_holes(attention_mask).any()):
         raise ValueError("Prompts have padding between real tokens; pad on the left only.")
     check_fits_positions(int(lengths.max()), position_limit, "A prompt")
     return attention_mask
+
+
+def check_continuation_arguments(labels: torch.Tensor | None, prompt_mask: torch.Tensor | None) -> None:
+    """Refuse an instruction/answer boundary in a forward that continues a cache (which runs causally)."""
+    if prompt_mask is not None or labels is not None:
+        raise ValueError(
+            "`cache` continues a sequence causally, so it cannot be combined with `labels` or `prompt_mask` "
+            "(a new instruction on top of a cache is multi-turn data, not supported yet)."
+        )
+
+
+def training_sequence(
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    position_limit: int | None,
+) -> torch.Tensor:
+    """
+    What a Bitune training forward runs, `input_ids` (batch, seq) or `inputs_embeds` (batch, seq, hidden), after
+    refusing before any compute what it cannot run as asked. `kwargs` are the forward's other arguments: the switches
+    of the usual output (`return_dict`, `use_cache`) are dropped from it, the rest are checked by
+    `check_training_arguments`.
+    """
+    for unsupported in ("output_attentions", "output_hidden_states"):
+        if kwargs.pop(unsupported, None):
+            raise NotImplementedError(
+                f"`{unsupported}=True` is not supported by the Bitune forward, whose three passes have different "
+                "lengths; see `peft_bitune.visualize` for attention maps."
+            )
+    kwargs.pop("return_dict", None)
+    kwargs.pop("use_cache", None)
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+    sequence = input_ids if input_ids is not None else inputs_embeds
+    if 0 in sequence.shape[:2]:
+        raise ValueError(
+            f"The batch is empty (input of shape {tuple(sequence.shape)}): give at least one row of at least one "
+            "token."
+        )
+    check_training_arguments(kwargs, sequence.shape[:2], attention_mask, position_limit)
+    return sequence
 
 
 # Arguments of a transformers forward that the Bitune training forward cannot hand to its passes, and why.
@@ -122,3 +158,23 @@ def _check_ordinary_positions(position_ids: torch.Tensor, valid: torch.Tensor) -
             "into one (`packing=True` or `padding_free=True` in TRL), which Bitune does not support: train on padded "
             "batches. Otherwise remove `position_ids`."
         )
+
+
+def check_base_model_supported(model: Any) -> None:
+    """Refuse, before any weights are created, a model Bitune cannot run on."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generate") or not hasattr(model, "get_decoder"):
+        raise ValueError(
+            f"Bitune needs a transformers causal language model (e.g. `AutoModelForCausalLM`), got "
+            f"{type(model).__name__}."
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"Bitune tunes decoder-only models; {type(model).__name__} is an encoder-decoder model."
+        )
+    if getattr(text_config(model), "use_cache", None) is None:
+        raise ValueError(
+            f"Bitune reads the prompt into a KV cache, and {type(model).__name__} has no KV cache support."
+        )
+    if not hasattr(text_config(model), "num_hidden_layers"):
+        raise ValueError(f"Cannot find `num_hidden_layers` in the config of {type(model).__name__}.")

@@ -15,15 +15,15 @@ so that `load_adapter(path, adapter_name="task2")` loads it under any name. PEFT
 cannot do this: it looks for the adapter name as a whole key segment, and `"default__causal"` is not `"default"`.
 
 Loading is all-or-nothing: a checkpoint that lacks any weight of the adapter (a weight set, the mixing scalars), holds
-weights this model has no place for, or holds weights of another shape (another base model) is refused before
-anything is copied into the model. PEFT itself only warns about missing keys and never checks that a tensor it
-loads belongs anywhere.
+weights this model has no place for, holds weights of another shape (another base model) or holds NaN or infinite
+values is refused before anything is copied into the model. PEFT itself only warns about missing keys and never checks
+that a tensor it loads belongs anywhere.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from peft import PeftModel
@@ -40,8 +40,19 @@ _PEFT_PREFIX = "base_model.model."
 _SHOWN_KEYS = 5
 
 
+class CheckpointHost(Protocol):
+    """What `BituneCheckpointMixin` uses of the tuner class it is mixed into (`BituneModel`, through PEFT's
+    `BaseTuner`), and all that it may use (a test reads the mixin's source and checks it)."""
+
+    @classmethod
+    def _get_learnable_bias_state_dict(
+        cls, model: nn.Module, state_dict: dict[str, torch.Tensor], config: Any
+    ) -> dict[str, torch.Tensor]: ...
+
+
 class BituneCheckpointMixin:
-    """Checkpoint-key hooks of `BituneModel` (PEFT calls them through `PEFT_TYPE_TO_TUNER_MAPPING`)."""
+    """Checkpoint-key hooks of `BituneModel` (PEFT calls them through `PEFT_TYPE_TO_TUNER_MAPPING`); what they use of
+    it is declared by `CheckpointHost`."""
 
     # The mixing scalars live on the tuner, not on the layers. PEFT's `inject_adapter_in_model` (used by transformers'
     # own adapter loading: `model.load_adapter(path)`, `AutoModelForCausalLM.from_pretrained(<adapter>)`) keeps only
@@ -113,10 +124,29 @@ class BituneCheckpointMixin:
             _check_complete(config, checkpoint_to_model, set(remapped), adapter_name)
             _check_no_strangers(config, remapped, model_state)
             _check_shapes(config, remapped, model_state)
+            _check_finite(state_dict, adapter_name)
         except ValueError:
             _forget_refused_adapter(model, adapter_name)
             raise
         return remapped
+
+
+def saved_mixing_scalars(weights_path: str) -> dict[str, torch.Tensor]:
+    """The mixing weights (`{"keys": ..., "values": ...}`, the scalars `BituneKVMixer` holds, not yet alphas) of the
+    adapter saved in `weights_path`, an `adapter_model.safetensors`, read without loading any model."""
+    from safetensors import safe_open
+
+    weights = {}
+    with safe_open(weights_path, framework="pt") as file:
+        for kind, suffix in MIXER_CHECKPOINT_KEYS.items():
+            keys = [key for key in file.keys() if key == suffix or key.endswith("." + suffix)]
+            if len(keys) != 1:
+                raise ValueError(
+                    f"Expected one tensor ending in {suffix!r} in {weights_path}, found {keys or 'none'}: this is not "
+                    "a checkpoint of this version of peft-bitune."
+                )
+            weights[kind] = file.get_tensor(keys[0])
+    return weights
 
 
 def _forget_refused_adapter(model: nn.Module, adapter_name: str) -> None:
@@ -219,6 +249,20 @@ def _check_no_strangers(config: Any, remapped: dict[str, torch.Tensor], model_st
             f"The Bitune checkpoint holds {len(strangers)} tensors this model has no place for (e.g. "
             f"{_listing(strangers)}): it does not match this base model or adapter config. {_base_model_hint(config)}"
         )
+
+
+def _check_finite(state_dict: dict[str, torch.Tensor], adapter_name: str) -> None:
+    """Refuse NaN or infinite values anywhere in the adapter: a model loaded with them generates nothing but one token
+    (a NaN mixing scalar makes every mixed key NaN), without a word."""
+    for key, value in state_dict.items():
+        if torch.is_floating_point(value) and not bool(torch.isfinite(value).all()):
+            count = int((~torch.isfinite(value)).sum())
+            raise ValueError(
+                f"The checkpoint of Bitune adapter `{adapter_name}` holds non-finite values (NaN or infinity): "
+                f"`{key}` has {count} of them (the first bad tensor). The file is damaged, or was saved after "
+                "training diverged; nothing was loaded. Use an earlier checkpoint, or train again (with a lower "
+                "learning rate if the loss went to NaN)."
+            )
 
 
 def _check_shapes(config: Any, remapped: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor]) -> None:

@@ -4,6 +4,7 @@ functions alike), and every public top-level name defined in one module only."""
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def test_the_cycle_finder_finds_cycles():
 def test_the_import_graph_sees_imports_at_the_top_and_inside_functions():
     graph = import_graph()
     assert "peft_bitune.common" in graph["peft_bitune.model"]  # `from .common import (...)`
-    assert "peft_bitune.compat" in graph["peft_bitune.model"]  # `from . import compat`
+    assert "peft_bitune.compat" in graph["peft_bitune.forward"]  # `from . import compat`
     assert "peft_bitune.model_card" in graph["trl_integration.trainer"]  # imported inside a method
     assert "peft_bitune" in graph["trl_integration.trainer"]  # `from peft_bitune import ...`: the package itself
 
@@ -113,3 +114,68 @@ def test_every_public_top_level_name_is_defined_once():
                     defined[defined_name].append(name)
     twice = {name: modules for name, modules in defined.items() if len(modules) > 1}
     assert not twice, f"Defined in more than one module (define each once, import it elsewhere): {twice}"
+
+
+# ------------------------------------------------------------------------------------------- the mixins' contracts
+def members_used_on_the_host(source: str, class_name: str) -> set[str]:
+    """The attributes a class's methods read on `self` or `cls` that the class body does not define itself."""
+    tree = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == class_name)
+    own = {
+        node.name if not isinstance(node, ast.AnnAssign) else node.target.id
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.AnnAssign))
+    }
+    own |= {target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets}
+    used = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+    }
+    return used - own
+
+
+def protocol_members(protocol: type) -> set[str]:
+    return {name for name in vars(protocol) if not name.startswith("__") and name != "_is_protocol"} | set(
+        protocol.__annotations__
+    )
+
+
+def test_the_host_member_finder_sees_reads_on_self_and_cls():
+    source = (
+        "class Mixin:\n"
+        "    flag: bool = True\n"
+        "    def own(self): return self.flag or self.other()\n"
+        "    @classmethod\n"
+        "    def hook(cls): return cls.own, cls.from_host\n"
+    )
+    assert members_used_on_the_host(source, "Mixin") == {"other", "from_host"}
+
+
+def test_the_mixins_of_the_tuner_use_only_what_their_host_protocols_declare(load_base):
+    from peft_bitune import forward, generation, persistence
+    from reference import make_bitune
+
+    tuner = make_bitune(load_base("llama")).base_model
+    for module, mixin, protocol in (
+        (forward, forward.BituneForwardMixin, forward.ForwardHost),
+        (generation, generation.BituneGenerationMixin, generation.GenerationHost),
+        (persistence, persistence.BituneCheckpointMixin, persistence.CheckpointHost),
+    ):
+        declared = protocol_members(protocol)
+        used = members_used_on_the_host(Path(module.__file__).read_text(encoding="utf-8"), mixin.__name__)
+        undeclared = sorted(used - declared)
+        assert not undeclared, f"{mixin.__name__} uses {undeclared} of its host; declare them in {protocol.__name__}."
+        missing = sorted(name for name in declared if not hasattr(tuner, name))
+        assert not missing, f"BituneModel lacks {missing}, which {protocol.__name__} declares."
+
+
+def test_the_module_map_of_the_docs_names_every_module():
+    text = (ROOT / "docs" / "how-it-works.md").read_text(encoding="utf-8")
+    module_map = text.split("## Where it lives in the code", 1)[1]
+    named = set(re.findall(r"`([\w/]+(?:\.py|/))`", module_map))
+    package = ROOT / "peft_bitune"
+    modules = {path.name for path in package.glob("*.py") if path.name != "__init__.py"}
+    modules |= {f"{path.parent.name}/" for path in package.glob("*/__init__.py")}
+    stale = sorted(name for name in named - modules if name.endswith(".py") and "/" not in name)
+    missing = sorted(modules - named)
+    assert not missing and not stale, f"docs/how-it-works.md's module map: add {missing}, remove {stale}."

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import VOCAB
 from peft_bitune import compat
-from reference import left_padded, make_bitune
+from reference import left_padded, make_bitune, reference_prefill
+from tiny_models import VOCAB
 
 SETTINGS = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
 
@@ -81,6 +81,26 @@ def test_greedy_chat_turns_equal_the_training_forward_on_the_conversation(load_b
         assert_training_forward_predicts_every_answer(model, [row[:k] for row in history])
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3"])
+def test_chat_turns_on_sliding_window_models_equal_the_training_forward_logit_for_logit(load_base, arch):
+    """The bidirectional pass of a continued turn reaches `sliding_window` positions back over the generation cache,
+    one more than a transformers sliding-window layer keeps (the first turn crosses the window of 6)."""
+    model = make_bitune(load_base(arch)).eval()
+    first, second = random_rows([5, 4], seed=21)
+    settings = dict(SETTINGS, output_logits=True)
+    out = model.generate(input_ids=first[None], **settings)
+    conversation = torch.cat([out.sequences, second[None]], dim=1)
+    out = model.generate(input_ids=conversation, attention_mask=torch.ones_like(conversation),
+                         cache=compat.output_cache(out), **settings)
+    new = SETTINGS["max_new_tokens"]
+    tokens, labels = conversation_row(out.sequences[0], torch.ones_like(out.sequences[0]),
+                                      [(5, 5 + new), (conversation.shape[1], conversation.shape[1] + new)])
+    logits = model(input_ids=tokens[None], labels=labels[None]).logits[0]
+    for step in range(new):
+        position = conversation.shape[1] - 1 + step
+        torch.testing.assert_close(out.logits[step][0], logits[position], atol=1e-4, rtol=0)
+
+
 def test_a_cache_that_cannot_continue_the_conversation_is_refused(load_base):
     model = make_bitune(load_base("llama")).eval()
     ids, mask = left_pad(random_rows([4, 6], seed=1))
@@ -97,8 +117,6 @@ def test_a_cache_that_cannot_continue_the_conversation_is_refused(load_base):
         model.generate(input_ids=out.sequences, cache=compat.output_cache(out), **SETTINGS)
     with pytest.raises(ValueError, match="one row"):
         model.generate(input_ids=conversation[:1], cache=compat.output_cache(out), **SETTINGS)
-    with pytest.raises(NotImplementedError, match="num_beams=1"):
-        model.generate(input_ids=conversation, cache=compat.output_cache(out), **dict(SETTINGS, num_beams=2))
 
 
 def first_turn(model, lengths=(8, 3), seed=1):
@@ -157,3 +175,72 @@ def test_a_conversation_is_branched_from_a_copy_of_the_cache(load_base):
     assert compat.output_cache(out).conversation_length == answer_a.shape[1]
     with pytest.raises(ValueError, match=r"copy\.deepcopy\(cache\)"):
         continue_with(compat.output_cache(out), branch_b)
+
+
+# ---------------------------------------------------------------------------------------------------- beams, then on
+BEAMS = dict(SETTINGS, num_beams=3, num_return_sequences=3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_after_beam_search_the_cache_holds_exactly_the_returned_sequences(load_base, arch):
+    """Beam search ends with the cache rows of its last running beams; the returned cache must hold each returned
+    sequence's own keys and values, as a fresh read of it (the reference: prefill, then the answer causally)."""
+    model = make_bitune(load_base(arch)).eval()
+    prompts = random_rows([5, 9], seed=6)
+    ids, mask = left_pad(prompts)
+    out = model.generate(input_ids=ids, attention_mask=mask, **BEAMS)
+    cache = compat.output_cache(out)
+    assert out.sequences.shape[0] == 6 and cache.layers[0].keys.shape[0] == 6
+    assert len({tuple(row) for row in out.sequences[:3].tolist()}) == 3  # three different sequences per prompt
+    for row, sequence in enumerate(out.sequences):
+        prompt = prompts[row // 3]
+        tokens = torch.cat([prompt, sequence[ids.shape[1] :]])[None]
+        expected = reference_prefill(model, prompt[None])
+        with model.base_model.weights("causal"):
+            model.base_model.model(input_ids=tokens[:, len(prompt) - 1 : -1],
+                                   **compat.with_cache(model.base_model.model, expected), use_cache=True)
+        for layer, expected_layer in zip(cache.layers, expected.layers):
+            kept = expected_layer.keys.shape[-2]  # the whole row, or a sliding layer's window
+            torch.testing.assert_close(layer.keys[row, :, -kept:], expected_layer.keys[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(layer.values[row, :, -kept:], expected_layer.values[0], atol=1e-5, rtol=0)
+
+
+def conversation_row(sequence, attention_mask, answer_columns):
+    """One row of a chat's final output, padding removed: its tokens and labels (the answers supervised)."""
+    labels = torch.full_like(sequence, -100)
+    for start, end in answer_columns:
+        labels[start:end] = sequence[start:end]
+    real = attention_mask.bool()
+    return sequence[real], labels[real]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_chat_goes_on_after_beam_search_turns_as_a_fresh_read_of_the_returned_sequences(load_base, arch):
+    """Turn 1: beams, three sequences per prompt; turn 2, continued: beams, two sequences per row; turn 3, continued:
+    greedy. Every step of turn 3 equals the training forward over each whole conversation (the fresh read)."""
+    model = make_bitune(load_base(arch)).eval()
+    lengths = [[5, 9], [4, 4], [3, 3]] if arch == "gemma3" else [[5, 9], [2, 7], [6, 3]]
+    turns = [random_rows(turn_lengths, seed=10 + turn) for turn, turn_lengths in enumerate(lengths)]
+    new = SETTINGS["max_new_tokens"]
+    ids, mask = left_pad(turns[0])
+    out = model.generate(input_ids=ids, attention_mask=mask, **BEAMS)
+    answers = [(ids.shape[1], ids.shape[1] + new)]
+    mask = torch.cat([mask.repeat_interleave(3, dim=0), torch.ones(6, new, dtype=torch.long)], dim=1)
+    for turn, settings in ((1, dict(BEAMS, num_return_sequences=2)), (2, dict(SETTINGS, output_logits=True))):
+        instructions = [turns[turn][row // 3 if turn == 1 else row // 6] for row in range(out.sequences.shape[0])]
+        new_ids, new_mask = left_pad(instructions)
+        ids, mask = torch.cat([out.sequences, new_ids], dim=1), torch.cat([mask, new_mask], dim=1)
+        out = model.generate(input_ids=ids, attention_mask=mask, cache=compat.output_cache(out), **settings)
+        answers.append((ids.shape[1], ids.shape[1] + new))
+        rows = out.sequences.shape[0]
+        mask = torch.cat([mask.repeat_interleave(rows // mask.shape[0], dim=0),
+                          torch.ones(rows, new, dtype=torch.long)], dim=1)
+    assert out.sequences.shape[0] == 12
+    start = answers[-1][0]
+    for row in range(12):
+        tokens, labels = conversation_row(out.sequences[row], mask[row], answers)
+        logits = model(input_ids=tokens[None], labels=labels[None]).logits[0]
+        last_turn = (labels != -100).nonzero().flatten()[-new:] - 1  # the positions predicting turn 3's answer
+        for step, position in enumerate(last_turn):
+            torch.testing.assert_close(out.logits[step][row], logits[position], atol=1e-4, rtol=0)
+        assert out.sequences[row, start:].tolist() == logits[last_turn].argmax(-1).tolist()

@@ -6,10 +6,11 @@ import pytest
 import torch
 from peft import AdaLoraConfig, LoraConfig, PromptTuningConfig, get_peft_model
 
-from conftest import VOCAB
 from peft_bitune import BituneConfig
+from peft_bitune.common import has_holes
 from peft_bitune.passes import BitunePasses
 from reference import make_bitune
+from tiny_models import VOCAB
 
 
 @pytest.mark.parametrize(
@@ -38,6 +39,37 @@ def test_unusable_peft_methods_are_refused_in_the_config(adapter_config, message
 def test_bad_config_values_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BituneConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(train_mixing="no"), "`train_mixing` must be true or false, got 'no'"),
+        (dict(shared_weights=1), "`shared_weights` must be true or false, got 1"),
+        (dict(inference_mode="yes"), "`inference_mode` must be true or false, got 'yes'"),
+        (dict(mix_scale=float("inf")), "`mix_scale` must be a finite number, got inf"),
+        (dict(mix_init=float("nan")), "`mix_init` must be a finite number, got nan"),
+        (dict(mix_init="abc"), "`mix_init` must be a finite number, got 'abc'"),
+        (dict(mix_init=True), "`mix_init` must be a finite number, got True"),
+        (dict(multi_turn=None), r"`multi_turn` must be one of \['alternating', 'history'\], got None"),
+        (dict(adapter_config={"peft_type": "LORA", "r": "8"}), "`adapter_config.r` must be a finite number, got '8'"),
+        (dict(adapter_config={"peft_type": "LORA", "use_dora": "false"}), "`adapter_config.use_dora` must be true"),
+        (dict(adapter_config={"peft_type": "LORA", "bias": "some"}), "`adapter_config.bias` must be one of"),
+    ],
+)
+def test_config_values_of_the_wrong_type_are_refused_by_name(kwargs, message):
+    """JSON gives any type: "no" is a truthy string, Infinity a float, "8" a string PEFT compares with 0."""
+    with pytest.raises(ValueError, match=message):
+        BituneConfig(**kwargs)
+
+
+def test_config_values_of_the_right_types_are_kept():
+    config = BituneConfig(
+        mix_init=1, mix_scale=0.5, train_mixing=False, inference_mode=True,
+        adapter_config={"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj"]},
+    )
+    assert (config.mix_init, config.mix_scale, config.train_mixing, config.inference_mode) == (1, 0.5, False, True)
+    assert config.adapter_config.r == 4 and config.adapter_config.lora_alpha == 8.0
 
 
 def test_default_adapter_config_is_the_papers_lora():
@@ -108,6 +140,19 @@ def test_bad_training_inputs_get_clear_errors_before_any_compute(load_base, monk
     with pytest.raises((ValueError, NotImplementedError), match=message):
         model(**change(ids, labels))
     assert not ran
+
+
+def test_a_hole_is_padding_between_real_tokens_of_a_row():
+    mask = torch.tensor([
+        [1, 1, 1, 1],  # no padding
+        [0, 0, 1, 1],  # left padding
+        [1, 1, 0, 0],  # right padding
+        [0, 1, 1, 0],  # both sides
+        [0, 0, 0, 0],  # all padding: no hole (refused elsewhere as empty)
+        [1, 0, 1, 1],  # a hole
+        [0, 1, 0, 1],  # a hole after left padding
+    ])
+    assert has_holes(mask).tolist() == [False] * 5 + [True] * 2
 
 
 def test_inputs_embeds_give_the_same_result_as_input_ids(load_base):

@@ -25,7 +25,6 @@ from tokenizers import Tokenizer, decoders, models, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from compat_helpers import from_project, needs_cache_name, only_cache_argument, renamed_name_warnings
-from conftest import VOCAB
 from peft_bitune.evaluation import (
     PAPER_TASKS,
     TASKS_DIR,
@@ -42,6 +41,7 @@ from peft_bitune.evaluation.cli import main as bitune_eval
 from peft_bitune.evaluation.cli import with_paper_tasks
 from peft_bitune.evaluation.harness import BituneLM, PrefillOnceLM
 from reference import make_bitune, reference_greedy
+from tiny_models import VOCAB
 
 BOS = 1
 CHARACTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,?!:;'\"-\n()$%#=+*/"
@@ -553,6 +553,29 @@ def test_bitune_eval_command_line(saved_models, load_base, tokenizer, tokenizer_
     results = json.loads(results_file.read_text())
     assert results["results"]["local_mc"]["acc,none"] == expected_accuracy
     assert results["config"]["model"] == "bitune"
+
+
+@pytest.mark.parametrize(
+    "model_args", ["pretrained={base},peft={adapter}", '{{"pretrained": "{base}", "peft": "{adapter}"}}']
+)
+def test_bitune_eval_refuses_the_hf_model_on_a_bitune_adapter_before_loading(saved_models, load_base, tmp_path,
+                                                                             monkeypatch, model_args):
+    """docs/evaluation.md: `bitune-eval --model hf` on a Bitune adapter is refused with the fix, before any loading."""
+    make_bitune(load_base("llama")).save_pretrained(tmp_path / "adapter")
+    loaded = []
+    monkeypatch.setattr(HFLM, "__init__", lambda *args, **kwargs: loaded.append(kwargs))
+    arguments = model_args.format(base=saved_models["llama"], adapter=tmp_path / "adapter")
+    with pytest.raises(SystemExit, match=r"`--model hf` cannot evaluate the Bitune adapter .* Use `--model bitune`"):
+        bitune_eval(["--model", "hf", "--model_args", arguments, "--tasks", "local_mc", "--device", "cpu"])
+    assert loaded == []
+
+
+def test_the_hf_model_given_a_loaded_bitune_adapter_fails_at_its_first_log_likelihood(load_base, tokenizer):
+    """docs/evaluation.md: in Python (peft_bitune imported), `HFLM` takes the adapter, then cannot score with it."""
+    lm = HFLM(pretrained=make_bitune(load_base("llama")).eval(), tokenizer=tokenizer, batch_size=1)
+    request = Instance("loglikelihood", {}, ("a b c", " d"), 0)
+    with pytest.raises(ValueError, match="Bitune needs the instruction/answer boundary of every row"):
+        lm.loglikelihood([request])
 
 
 # ---------------------------------------------------------------------------------------------------- seeds example

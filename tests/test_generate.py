@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from conftest import ATTENTION_CASES, VOCAB
 from peft_bitune import compat
 from peft_bitune.passes import BitunePasses
 from reference import left_padded, make_bitune, reference_greedy, reference_prefill
+from tiny_models import ATTENTION_CASES, VOCAB
 
 PROMPT_LENGTHS = [9, 1, 4, 12]
 
@@ -284,3 +284,194 @@ def test_generate_attentions_of_the_first_step_cover_the_last_prompt_token_as_do
     assert first[0].shape == (2, config.num_attention_heads, 1, 7)  # the base model gives (2, heads, 7, 7)
     assert second[0].shape == (2, config.num_attention_heads, 1, 8)
     torch.testing.assert_close(first[0].sum(-1), torch.ones(2, config.num_attention_heads, 1))
+
+
+# ------------------------------------------------------------------------------------------------ assisted decoding
+@pytest.mark.parametrize("assistance", ["assistant_model", "prompt_lookup_num_tokens"])
+def test_assisted_generation_is_refused_before_any_compute(load_base, monkeypatch, assistance):
+    model = make_bitune(load_base("llama")).eval()
+    arguments = {"assistant_model": load_base("llama")} if assistance == "assistant_model" else {assistance: 3}
+    calls = count_prompt_passes(model, monkeypatch)
+    batch = left_padded(prompts(seed=3, lengths=[8]))
+    with pytest.raises(ValueError, match=r"Assisted generation \(`assistant_model`, `prompt_lookup_num_tokens`"):
+        model.generate(**batch, **GREEDY, **arguments)
+    assert calls == []
+
+
+def test_transformers_assisted_decoding_rereads_the_whole_input_over_a_given_cache(load_base):
+    """Why assisted generation is refused: its first step re-reads the whole input from position 0 on top of the
+    cache it is given (the mixed prompt cache, for Bitune), so the answer differs from plain decoding. If this fails,
+    transformers changed that first step: the refusal in `generation.py` may then be lifted."""
+    from transformers import DynamicCache
+
+    base = load_base("llama")
+    prompt = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(4))
+    cache = DynamicCache(config=base.config)
+    with torch.no_grad():
+        base(input_ids=prompt[:, :-1], **compat.with_cache(base, cache), use_cache=True)
+    widths = []
+    handle = base.register_forward_pre_hook(lambda m, a, k: widths.append(k["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        base.generate(input_ids=prompt, **compat.with_cache(base, cache), prompt_lookup_num_tokens=3, **GREEDY)
+    finally:
+        handle.remove()
+    assert widths[0] == prompt.shape[1]  # not 1: the 9 cached positions are read a second time
+
+
+# ---------------------------------------------------------------------------------------------------- inputs_embeds
+def embeddings_not_of_the_ids(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Embeddings a model never sees for `input_ids` (scaled and shifted), so that a pass reading ids is noticed."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(input_ids)
+        return 1.5 * embeds + 0.05 * torch.randn(embeds.shape, generator=generator)
+
+
+def training_logits_from_embeddings(model, embeds: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The training forward of one unpadded row given as embeddings (allowed there), labels marking the answers."""
+    with torch.no_grad():
+        return model(inputs_embeds=embeds[None], labels=labels[None]).logits[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_generate_with_input_ids_and_inputs_embeds_reads_the_embeddings_in_every_pass(load_base, arch):
+    """As in transformers: `inputs_embeds` are what the model reads, `input_ids` name the prompt in the output. The
+    reference is the training forward on the same embeddings (`inputs_embeds` alone), then the generated tokens'."""
+    model = make_bitune(load_base(arch)).eval()
+    embed = model.get_input_embeddings()
+    rows = prompts(seed=12, lengths=[9, 4])
+    batch = left_padded(rows)
+    embeds = embeddings_not_of_the_ids(model, batch["input_ids"])
+    settings = dict(GREEDY, output_logits=True, return_dict_in_generate=True)
+    out = model.generate(**batch, inputs_embeds=embeds, **settings)
+    width = batch["input_ids"].shape[1]
+    assert torch.equal(out.sequences[:, :width], batch["input_ids"])
+    for i, row in enumerate(rows):
+        new = out.sequences[i, width:]
+        with torch.no_grad():
+            row_embeds = torch.cat([embeds[i, width - len(row) :], embed(new)])
+        labels = torch.cat([torch.full_like(row, -100), new])
+        logits = training_logits_from_embeddings(model, row_embeds, labels)
+        for step in range(len(new)):
+            torch.testing.assert_close(out.logits[step][i], logits[len(row) - 1 + step], atol=1e-4, rtol=0)
+    # The ids alone give other answers: the test can tell which one a pass read.
+    assert not torch.equal(model.generate(**batch, **GREEDY), out.sequences)
+
+    # A continued conversation reads the new instruction's embeddings too (those of the history are in the cache).
+    instruction = prompts(seed=13, lengths=[5])[0]
+    conversation = torch.cat([out.sequences[:1], instruction[None]], dim=1)
+    history_mask = torch.cat([batch["attention_mask"][:1], torch.ones(1, GREEDY["max_new_tokens"], dtype=torch.long)],
+                             dim=1)
+    mask = torch.cat([history_mask, torch.ones(1, len(instruction), dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        conversation_embeds = torch.cat([embed(out.sequences[:1]),
+                                         embeddings_not_of_the_ids(model, instruction[None])], dim=1)
+    cache = compat.output_cache(out)
+    cache.batch_select_indices(torch.tensor([0]))
+    cache.record_conversation(out.sequences[:1], history_mask)
+    second = model.generate(input_ids=conversation, attention_mask=mask, inputs_embeds=conversation_embeds,
+                            cache=cache, **settings)
+    real = mask[0].bool()
+    new = second.sequences[0, conversation.shape[1] :]
+    first_answer = out.sequences[0, width:]
+    labels = torch.cat([torch.full_like(rows[0], -100), first_answer, torch.full_like(instruction, -100), new])
+    with torch.no_grad():
+        row_embeds = torch.cat([embeds[0, width - len(rows[0]) :], conversation_embeds[0, width:][real[width:]],
+                                embed(new)])
+    logits = training_logits_from_embeddings(model, row_embeds, labels)
+    start = len(labels) - len(new) - 1
+    for step in range(len(new)):
+        torch.testing.assert_close(second.logits[step][0], logits[start + step], atol=1e-4, rtol=0)
+
+
+def test_beams_over_inputs_embeds_then_a_continued_turn_equal_the_training_forward_on_the_embeddings(load_base):
+    """The cache after beam search is rebuilt for the returned sequences from the input's embeddings too."""
+    model = make_bitune(load_base("llama")).eval()
+    embed = model.get_input_embeddings()
+    prompt = prompts(seed=14, lengths=[7])[0]
+    embeds = embeddings_not_of_the_ids(model, prompt[None])
+    beams = dict(GREEDY, num_beams=3, num_return_sequences=3, return_dict_in_generate=True)
+    out = model.generate(input_ids=prompt[None], inputs_embeds=embeds, **beams)
+    instruction = prompts(seed=15, lengths=[3])[0]
+    conversation = torch.cat([out.sequences, instruction.expand(3, -1)], dim=1)
+    second = model.generate(input_ids=conversation, cache=compat.output_cache(out),
+                            **dict(GREEDY, output_logits=True, return_dict_in_generate=True))
+    width, new = len(prompt), GREEDY["max_new_tokens"]
+    for row in range(3):
+        answer, answer_2 = out.sequences[row, width:], second.sequences[row, conversation.shape[1] :]
+        with torch.no_grad():
+            row_embeds = torch.cat([embeds[0], embed(torch.cat([answer, instruction, answer_2]))])
+        labels = torch.cat([torch.full_like(prompt, -100), answer, torch.full_like(instruction, -100), answer_2])
+        logits = training_logits_from_embeddings(model, row_embeds, labels)
+        for step in range(new):
+            torch.testing.assert_close(second.logits[step][row], logits[len(labels) - new - 1 + step], atol=1e-4,
+                                       rtol=0)
+
+
+def test_inputs_embeds_that_do_not_embed_every_input_id_are_refused(load_base):
+    model = make_bitune(load_base("llama")).eval()
+    batch = left_padded(prompts(seed=3, lengths=[6]))
+    embeds = model.get_input_embeddings()(batch["input_ids"])
+    with pytest.raises(ValueError, match="give the embedding of every `input_ids` position"):
+        model.generate(**batch, inputs_embeds=embeds[:, -1:], **GREEDY)
+    with pytest.raises(ValueError, match="needs `input_ids`, also with `inputs_embeds`"):
+        model.generate(inputs_embeds=embeds, **GREEDY)
+
+
+# ---------------------------------------------------------------------------------------------------- positions
+def llama_with(**changes):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tiny_models import COMMON
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**{**COMMON, "num_key_value_heads": 2, **changes})).eval()
+
+
+@pytest.mark.parametrize(
+    "base",
+    ["llama", "gemma3"],  # full attention; sliding and full layers (the full ones see every position)
+)
+def test_generating_past_the_models_positions_is_refused_before_the_prefill(load_base, monkeypatch, base):
+    model = make_bitune(load_base(base)).eval()
+    calls = count_prompt_passes(model, monkeypatch)
+    batch = left_padded(prompts(seed=3, lengths=[10, 4]))
+    settings = dict(GREEDY, max_new_tokens=247)
+    message = r"10 tokens and `max_new_tokens=247` lets it grow to 257, past the model's 256 positions .* at most 246"
+    with pytest.raises(ValueError, match=message):
+        model.generate(**batch, **settings)
+    with pytest.raises(ValueError, match=r"`max_length=300` lets it grow to 300"):
+        model.generate(**batch, **dict(GREEDY, max_new_tokens=None, max_length=300))
+    assert calls == []
+    out = model.generate(**batch, **dict(settings, max_new_tokens=246), return_dict_in_generate=True)
+    assert out.sequences.shape[1] == 10 + 246  # exactly the model's positions for the longest row
+    # A continued conversation counts its whole history.
+    out = model.generate(**batch, **dict(settings, max_new_tokens=200), return_dict_in_generate=True)
+    conversation = torch.cat([out.sequences, torch.randint(3, VOCAB, (2, 4))], dim=1)
+    mask = torch.cat([batch["attention_mask"], torch.ones(2, 204, dtype=torch.long)], dim=1)
+    calls.clear()
+    with pytest.raises(ValueError, match=r"input has 214 tokens and `max_new_tokens=43` lets it grow to 257"):
+        model.generate(input_ids=conversation, attention_mask=mask, cache=compat.output_cache(out),
+                       **dict(GREEDY, max_new_tokens=43))
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+        "mistral",  # a sliding window on every layer
+    ],
+    ids=["linear-rope-scaling", "dynamic-rope-scaling", "sliding-window-everywhere"],
+)
+def test_models_that_declare_more_positions_generate_past_max_position_embeddings(load_base, changes):
+    model = make_bitune(load_base("mistral") if changes == "mistral" else llama_with(**changes)).eval()
+    prompt = torch.randint(3, VOCAB, (1, 260), generator=torch.Generator().manual_seed(5))  # past 256 already
+    out = model.generate(input_ids=prompt, **dict(GREEDY, max_new_tokens=8))
+    assert out.shape[1] == 268
+    assert out[0, 260:].tolist() == reference_greedy(model, prompt[0], 8)
+    # One rule everywhere: a training row past 256 positions is not refused either.
+    labels = out.clone()
+    labels[:, :260] = -100
+    assert torch.isfinite(model(input_ids=out, labels=labels).loss)

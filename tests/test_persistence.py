@@ -4,13 +4,16 @@ an offline Hugging Face cache), several adapters in one model, the model card, a
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,10 +25,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import peft_bitune
-from conftest import COMMON, VOCAB
-from peft_bitune import BituneConfig
+from peft_bitune import BituneConfig, BituneModel
 from peft_bitune.hub import push_to_hub
 from reference import make_bitune
+from tiny_models import COMMON, VOCAB
 
 SAVED_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"}
 LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
@@ -552,6 +555,14 @@ def other_llama(**changes):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+def forget_recorded_base_shape(folder: Path) -> None:
+    """Make a saved adapter look like one saved before the base model's shape was recorded."""
+    path = folder / "adapter_config.json"
+    config = json.loads(path.read_text())
+    del config["base_model_vocab_size"], config["base_model_num_hidden_layers"]
+    path.write_text(json.dumps(config))
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -560,11 +571,85 @@ def other_llama(**changes):
         ({"num_hidden_layers": 3}, "is incomplete"),
     ],
 )
-def test_a_different_base_model_is_refused(load_base, tmp_path, changes, message):
+def test_a_different_base_model_is_refused_also_for_adapters_without_recorded_shape(
+    load_base, tmp_path, changes, message
+):
     build(load_base, "lora").save_pretrained(tmp_path)
+    forget_recorded_base_shape(tmp_path)
     with pytest.raises(ValueError, match=message) as error:
         PeftModel.from_pretrained(other_llama(**changes), tmp_path)
     assert "base model" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"vocab_size": 4096}, "a vocabulary of 96 tokens \\(this base model has 4096\\)"),
+        ({"num_hidden_layers": 3}, "2 decoder layers \\(this base model has 3\\)"),
+        ({"num_hidden_layers": 1}, "2 decoder layers \\(this base model has 1\\)"),
+    ],
+)
+def test_a_base_model_of_another_recorded_shape_is_refused_before_any_weight_is_made(
+    load_base, saved_models, tmp_path, changes, message
+):
+    model = build(load_base, "lora")
+    assert model.peft_config["default"].base_model_vocab_size == VOCAB
+    assert model.peft_config["default"].base_model_num_hidden_layers == 2
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (saved["base_model_vocab_size"], saved["base_model_num_hidden_layers"]) == (VOCAB, 2)
+    other = other_llama(**changes)
+    with pytest.raises(ValueError, match=message) as error:
+        PeftModel.from_pretrained(other, tmp_path)
+    assert saved_models["llama"] in str(error.value)  # the recorded base, to load the adapter onto
+    assert not any("lora_" in name for name, _ in other.named_parameters())
+    # The same check guards a second adapter loaded into a model of another base.
+    target = make_bitune(other)
+    with pytest.raises(ValueError, match=message):
+        target.load_adapter(tmp_path, adapter_name="task2")
+    assert set(target.peft_config) == {"default"}
+
+
+def test_an_adapter_on_a_base_model_of_another_name_warns_with_both_names(load_base, saved_models, tmp_path):
+    build(load_base, "lora").save_pretrained(tmp_path)
+    other_path = tmp_path / "other-llama"
+    other_llama().save_pretrained(other_path)  # the same shape, other weights: PEFT loads it without a word
+    with pytest.warns(UserWarning, match="made on the base model '.*/llama', and is being used with '.*/other-llama'"):
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(other_path), tmp_path)
+    # Another spelling of the recorded base (a relative path to the same folder) is the same model: no warning.
+    relative = os.path.relpath(saved_models["llama"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(relative), tmp_path)
+
+
+def test_an_adapter_saved_before_the_base_shape_was_recorded_still_loads_and_records_it(load_base, tmp_path):
+    model = build(load_base, "lora")
+    model.save_pretrained(tmp_path)
+    forget_recorded_base_shape(tmp_path)
+    loaded = PeftModel.from_pretrained(load_base("llama"), tmp_path)
+    ids = torch.randint(3, VOCAB, (1, 9))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    torch.testing.assert_close(loaded(input_ids=ids, labels=labels).logits, model(input_ids=ids, labels=labels).logits)
+    config = loaded.peft_config["default"]
+    assert (config.base_model_vocab_size, config.base_model_num_hidden_layers) == (VOCAB, 2)
+
+
+def test_config_values_of_the_wrong_type_in_adapter_config_json_are_refused_by_name(load_base, tmp_path):
+    build(load_base, "lora").save_pretrained(tmp_path)
+    path = tmp_path / "adapter_config.json"
+    config = json.loads(path.read_text())
+    for change, message in [
+        ({"train_mixing": "no"}, "`train_mixing` must be true or false, got 'no'"),
+        ({"inference_mode": "yes"}, "`inference_mode` must be true or false, got 'yes'"),
+        ({"mix_scale": float("inf")}, "`mix_scale` must be a finite number, got inf"),
+        ({"mix_init": "abc"}, "`mix_init` must be a finite number, got 'abc'"),
+        ({"adapter_config": {**config["adapter_config"], "r": "8"}}, "`adapter_config.r` must be a finite number"),
+    ]:
+        path.write_text(json.dumps({**config, **change}))  # json writes inf as Infinity
+        with pytest.raises(ValueError, match=message):
+            PeftModel.from_pretrained(load_base("llama"), tmp_path)
 
 
 def edit_checkpoint(folder: Path, drop) -> None:
@@ -600,6 +685,32 @@ def test_an_incomplete_checkpoint_is_refused_before_anything_is_loaded(load_base
         model.load_adapter(tmp_path, adapter_name="task2")
     assert set(model.peft_config) == {"default"}
     assert not any("task2" in name for name, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize(
+    ("key_part", "bad"),
+    [("bitune_mixers.key_weights", float("nan")), ("layers.1.self_attn.v_proj.lora_B.bidirectional", float("inf"))],
+    ids=["nan-mixing-scalar", "inf-weight"],
+)
+def test_non_finite_weights_are_refused_naming_the_first_bad_key(load_base, tmp_path, key_part, bad):
+    build(load_base, "lora").save_pretrained(tmp_path)
+    path = tmp_path / "adapter_model.safetensors"
+    tensors = load_file(path)
+    (key,) = [key for key in tensors if key_part in key]
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[1] = bad  # what a flipped exponent byte decodes to
+    save_file(tensors, path)
+    message = f"non-finite values \\(NaN or infinity\\): `{re.escape(key)}` has 1 of them"
+    with pytest.raises(ValueError, match=message):
+        PeftModel.from_pretrained(load_base("llama"), tmp_path)
+    model = build(load_base, "lora", seed=4)
+    before = adapter_tensors(model)
+    for name in ("default", "task2"):
+        with pytest.raises(ValueError, match=message):
+            model.load_adapter(tmp_path, adapter_name=name)
+    assert set(model.peft_config) == {"default"}
+    for name, value in adapter_tensors(model).items():
+        assert torch.equal(value, before[name]), name
 
 
 def test_an_unknown_config_field_is_refused_with_the_upgrade_hint(load_base, tmp_path):
@@ -643,6 +754,40 @@ def test_pickled_weights_are_never_written_or_read(load_base, tmp_path):
         PeftModel.from_pretrained(load_base("llama"), tmp_path / "pickle")
 
 
+# torch's registry of module-registration hooks: the saving guard must not stay in it (see safetensors_only.py).
+REGISTRATION_HOOKS = torch.nn.modules.module._global_module_registration_hooks
+
+
+def test_importing_registers_no_module_registration_hook():
+    code = (
+        "import torch, peft, transformers\n"
+        "hooks = torch.nn.modules.module._global_module_registration_hooks\n"
+        "before = len(hooks)\n"
+        "import peft_bitune\n"
+        "assert len(hooks) == before, len(hooks) - before\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_saving_guard_hooks_in_only_while_peft_attaches_the_tuner(load_base, tmp_path):
+    before = dict(REGISTRATION_HOOKS)
+    model = build(load_base, "lora")
+    assert dict(REGISTRATION_HOOKS) == before  # removed once the PeftModel had the tuner
+    with pytest.raises(ValueError, match="safetensors only"):
+        model.save_pretrained(tmp_path / "bin", safe_serialization=False)  # and the PeftModel has its guard
+    model.save_pretrained(tmp_path / "saved")
+    model.load_adapter(str(tmp_path / "saved"), adapter_name="second")
+    assert dict(REGISTRATION_HOOKS) == before
+    # A tuner built without a PeftModel leaves a hook that does nothing; the next tuner built removes it once it is
+    # gone.
+    BituneModel(load_base("llama"), BituneConfig(), "default")
+    gc.collect()
+    assert len(REGISTRATION_HOOKS) == len(before) + 1
+    build(load_base, "lora")
+    assert dict(REGISTRATION_HOOKS) == before
+
+
 def test_inner_modules_to_save_are_refused_rather_than_left_out():
     # Refused when the config is made, before any training; the save-time check stays as a second line.
     config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], init_lora_weights=False)
@@ -653,7 +798,7 @@ def test_inner_modules_to_save_are_refused_rather_than_left_out():
 def test_pickled_weights_in_a_hub_repo_are_refused_too(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from peft_bitune.hub import has_only_pickled_weights
+    from peft_bitune.safetensors_only import has_only_pickled_weights
 
     cache, pickled, safe = tmp_path / "cache", tmp_path / "pickled", tmp_path / "safe"
     for folder, weights in ((pickled, "adapter_model.bin"), (safe, "adapter_model.safetensors")):

@@ -11,11 +11,11 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from conftest import VOCAB
 from peft_bitune import BituneConfig, compat
 from peft_bitune.caches import pass_cache
 from peft_bitune.common import BITUNE_TYPE_NAME, inner_adapter_name, num_layers
 from reference import make_bitune
+from tiny_models import VOCAB
 
 UPGRADE = "The installed {library} no longer {does}: update `peft_bitune.compat.{function}` for this release."
 
@@ -146,6 +146,34 @@ def test_transformers_infers_the_attention_mask_from_the_pad_token(load_base):
         does="infers the attention mask with `_prepare_special_tokens` and `_prepare_attention_mask_for_generation`",
         function="inferred_attention_mask",
     )
+
+
+def test_transformers_sliding_window_layers_keep_one_position_less_than_a_bidirectional_window_reaches(load_base):
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+    from transformers.masking_utils import sliding_window_bidirectional_overlay
+
+    config = load_base("mistral").config  # every layer slides, window 6
+    window = config.sliding_window
+    message = UPGRADE.format(
+        library="transformers", does="keeps `sliding_window - 1` positions in a `DynamicSlidingWindowLayer`",
+        function="keep_one_more_sliding_position",
+    )
+    states = torch.randn(1, 2, 10, 8)
+
+    def held(cache) -> list[int]:
+        for index in range(len(cache.layers)):
+            cache.update(states, states, index)
+        return [layer.keys.shape[-2] for layer in cache.layers]
+
+    assert held(DynamicCache(config=config)) == [window - 1] * config.num_hidden_layers, message
+    # A bidirectional query reaches `window` positions back, one more than that.
+    assert sliding_window_bidirectional_overlay(window)(0, 0, 10, 10 - window), message
+    widened = DynamicCache(config=config)
+    compat.keep_one_more_sliding_position(widened)
+    assert all(isinstance(layer, DynamicSlidingWindowLayer) for layer in widened.layers), message
+    assert held(widened) == [window] * config.num_hidden_layers, message
+    assert widened.get_seq_length() == 10 and widened.is_sliding == [True] * config.num_hidden_layers
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])

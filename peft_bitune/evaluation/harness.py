@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from .. import compat
 from ..common import CAUSAL, is_bitune_type, peft_type_name
 from ..inputs import positions_for
-from ..model import BituneModel, find_bitune_tuner
+from ..lookup import require_bitune_tuner
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +230,9 @@ class BituneLM(PrefillOnceLM):
         _check_arguments(pretrained, peft, kwargs)
         kwargs.pop("backend", None)
         super().__init__(pretrained=pretrained, peft=peft, backend="causal", **kwargs)
-        self._bitune = _bitune_tuner(self.model)
+        self._bitune = require_bitune_tuner(
+            self.model, "for the harness's `bitune` model", "For other adapters use the harness's `hf` model."
+        )
 
     # ------------------------------------------------------------------ loglikelihood
     def _prefill(self, contexts: list[list[int]]) -> tuple[Cache, torch.Tensor]:
@@ -316,18 +318,6 @@ def _check_batch_size(kwargs: dict[str, Any]) -> None:
             "`batch_size=auto` is not supported by the prefill-once scoring of the `bitune` model (the harness probes "
             "it with whole-sequence forwards); give an integer batch size."
         )
-
-
-def _bitune_tuner(model: Any) -> BituneModel:
-    tuner = find_bitune_tuner(model)
-    if tuner is None:
-        inner = model.base_model if isinstance(model, PeftModel) else None
-        raise ValueError(
-            f"The `bitune` model needs a PEFT model with a Bitune adapter, got {type(model).__name__}"
-            + (f" with a {type(inner).__name__}" if inner is not None else "")
-            + ". For other adapters use the harness's `hf` model."
-        )
-    return tuner
 
 
 def _select_rows(cache: Cache, rows: torch.Tensor) -> Cache:
