@@ -30,8 +30,9 @@ from peft_bitune import compat  # noqa: E402
 from peft_bitune.caches import BituneCache  # noqa: E402
 from peft_bitune.serving import ConversationStore, KeptConversation  # noqa: E402
 from peft_bitune.serving.app import build_app  # noqa: E402
-from peft_bitune.serving.engine import ChatEngine, StopTextFilter, cut_at_stop  # noqa: E402
+from peft_bitune.serving.engine import ChatEngine  # noqa: E402
 from peft_bitune.serving.server import serving_in_thread  # noqa: E402
+from peft_bitune.serving.streaming import StopTextFilter, TextStream, cut_at_stop  # noqa: E402
 from reference import make_bitune  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -387,3 +388,37 @@ def test_the_store_continues_only_exact_extensions_and_drops_the_least_recent():
     assert len(store) == 1 and store.nbytes == one.nbytes
     with pytest.raises(ValueError, match="stands for"):
         KeptConversation("x", [1, 2], fake_conversation("x", 5).cache)
+
+
+def test_the_stream_decodes_incrementally_exactly_as_the_whole_answer(tokenizer):
+    text = "héllo wörld 日本 </s>, done"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces = []
+    stream = TextStream(tokenizer, pieces.append)
+    stream.put(torch.tensor([[1, 2, 3]]))  # the prompt: not streamed
+    for token in ids:
+        stream.put(torch.tensor([token]))
+    stream.end()
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in piece for piece in pieces)  # a character split over tokens waits for its last byte
+    assert len(pieces) > 5  # piece by piece, not at the end
+
+
+def test_the_worker_runs_jobs_in_order_and_survives_their_errors():
+    from peft_bitune.serving.worker import ModelWorker
+
+    worker = ModelWorker()
+    release, order = threading.Event(), []
+    blocked = worker.submit(release.wait, REQUEST_TIMEOUT_S)
+    skipped = worker.submit(order.append, "cancelled")
+    failing = worker.submit(lambda: 1 / 0)
+    last = worker.submit(lambda: order.append("last") or "done")
+    assert skipped.cancel()  # still queued: it never runs
+    release.set()
+    assert blocked.result(REQUEST_TIMEOUT_S) is True
+    with pytest.raises(ZeroDivisionError):
+        failing.result(REQUEST_TIMEOUT_S)
+    assert last.result(REQUEST_TIMEOUT_S) == "done" and order == ["last"]
+    worker.close(REQUEST_TIMEOUT_S)
+    with pytest.raises(RuntimeError, match="stopped"):
+        worker.submit(print)

@@ -1,16 +1,15 @@
-"""The OpenAI-compatible HTTP API of `bitune-serve` (FastAPI), on top of transformers' own serving code.
+"""The OpenAI-compatible HTTP API of `bitune-serve` (FastAPI).
 
-Reused from `transformers serve` (transformers/cli/serving): the chat completion handler, subclassed, for the
-generation settings of a request (`max_tokens`, `temperature`, `top_p`, `stop`) and for building OpenAI's response
-objects and server-sent-event chunks; its streamer, which decodes tokens incrementally into an asyncio queue and aborts
-`generate` when the client leaves; its inference thread, our single model worker. Not reused: its model manager and
-request dispatch, which load models with `from_pretrained` (refused by a Bitune adapter) and always prefill the whole
-prompt (no conversation cache), and its error responses, which are not OpenAI's JSON error objects.
+Requests are checked here and answered with OpenAI's own response types (the `openai` package's `ChatCompletion`, and
+`ChatCompletionChunk` as server-sent events when streaming) or OpenAI's JSON error objects. The model work runs on the
+engine's worker thread (`engine.py`), so that the event loop stays free for other clients while an answer is
+generated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
 import time
@@ -21,12 +20,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
 from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from transformers.cli.serving.chat_completion import ChatCompletionHandler
-from transformers.cli.serving.utils import DirectStreamer, GenerationState, Modality
 
-from .engine import ChatEngine, ChatRequest, ChatResult, StopTextFilter
+from .engine import ChatEngine, ChatRequest, ChatResult
+from .streaming import StopTextFilter, TextStream
 
 # Request fields this server honours; anything else is refused rather than silently ignored.
 SUPPORTED_FIELDS = {
@@ -55,26 +57,13 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-class _CancellableStreamer(DirectStreamer):
-    """transformers' streamer, with the cancellation flag readable by a request still waiting in the queue."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-        super().cancel()
-
-
 _WORK_DONE = object()  # queued after the worker finished a streaming request, whatever happened
 
 
-class BituneChatCompletionHandler(ChatCompletionHandler):
+class ChatCompletions:
     """`POST /v1/chat/completions` over a `ChatEngine`: validation, then one job on the model worker."""
 
     def __init__(self, engine: ChatEngine, model_name: str) -> None:
-        super().__init__(model_manager=None, generation_state=GenerationState())
         self.engine = engine
         self.model_name = model_name
         self.cancelled_streams = 0  # streams whose client left before the answer was complete
@@ -87,10 +76,16 @@ class BituneChatCompletionHandler(ChatCompletionHandler):
             result = await self.engine.worker.async_submit(self.engine.run, request)
         except ValueError as error:  # a check of `generate` (e.g. positions): the request's fault
             raise OpenAIError(400, str(error)) from error
-        completion = self._build_completion(
-            request_id, result.content, self.model_name, finish_reason=result.finish_reason, usage=_usage(result)
+        completion = ChatCompletion(
+            id=request_id,
+            created=int(time.time()),
+            object="chat.completion",
+            model=self.model_name,
+            choices=[Choice(index=0, finish_reason=result.finish_reason,
+                            message=ChatCompletionMessage(role="assistant", content=result.content))],
+            usage=_usage(result),
         )
-        return JSONResponse(completion)
+        return JSONResponse(completion.model_dump(exclude_none=True))
 
     def chat_request(self, body: dict) -> ChatRequest:
         """Check a request body and render its conversation; raises `OpenAIError` for anything wrong."""
@@ -122,7 +117,7 @@ class BituneChatCompletionHandler(ChatCompletionHandler):
         seed = _optional_number(body, "seed", int)
         stop = _check_stop(body.get("stop"))
         try:
-            prompt_text = self.engine.render(self.get_processor_inputs_from_messages(messages, Modality.LLM))
+            prompt_text = self.engine.render(_text_messages(messages))
         except TemplateError as error:
             raise OpenAIError(400, f"The chat template refused the messages: {error}", "messages") from error
         prompt_ids = self.engine.tokenize(prompt_text)
@@ -135,61 +130,78 @@ class BituneChatCompletionHandler(ChatCompletionHandler):
                 "messages", "context_length_exceeded",
             )
         # Seeded on the worker, right before this request runs: seeding here would reseed whatever runs meanwhile.
-        settings = {key: value for key, value in body.items() if key in ("temperature", "top_p", "stop")}
-        generation_config = self._build_generation_config(settings, self.engine.model.generation_config)
+        return ChatRequest(prompt_text, prompt_ids, self._generation_config(temperature, top_p, stop), max_tokens,
+                           stop, seed)
+
+    def _generation_config(self, temperature: float | None, top_p: float | None, stop: list[str]) -> Any:
+        """The model's generation config with the request's settings: greedy at temperature 0, sampling at any
+        other temperature or `top_p` (as OpenAI does), the model's own choice when neither is given."""
+        generation_config = copy.deepcopy(self.engine.model.generation_config)
+        if stop:
+            generation_config.stop_strings = stop
         if temperature == 0.0:
             generation_config.do_sample = False
-            # greedy: no sampling settings to warn about
-            generation_config.temperature = generation_config.top_p = None
+            generation_config.temperature = generation_config.top_p = None  # greedy: no sampling settings to warn of
         elif temperature is not None or top_p is not None:
-            generation_config.do_sample = True  # OpenAI samples at any positive temperature
+            generation_config.do_sample = True
+            if temperature is not None:
+                generation_config.temperature = temperature
+            if top_p is not None:
+                generation_config.top_p = top_p
         if generation_config.pad_token_id is None:
             generation_config.pad_token_id = self.engine.tokenizer.pad_token_id or generation_config.eos_token_id
-        return ChatRequest(prompt_text, prompt_ids, generation_config, max_tokens, stop, seed)
+        return generation_config
 
     def _stream(self, request: ChatRequest, request_id: str) -> StreamingResponse:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        streamer = _CancellableStreamer(self.engine.tokenizer.backend_tokenizer, loop, queue)
+        cancelled = threading.Event()
+        stream = TextStream(self.engine.tokenizer, lambda text: loop.call_soon_threadsafe(queue.put_nowait, text))
 
         def work() -> ChatResult | None:
             try:
-                return self.engine.run(request, streamer, streamer.cancelled)
+                return self.engine.run(request, stream, cancelled)
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, _WORK_DONE)
 
         job = self.engine.worker.async_submit(work)
         job.add_done_callback(lambda future: future.cancelled() or future.exception())  # read even if nobody awaits
+        created = int(time.time())
+
+        def chunk(delta: ChoiceDelta, finish_reason: str | None = None, usage: CompletionUsage | None = None) -> str:
+            event = ChatCompletionChunk(
+                id=request_id, created=created, model=self.model_name, object="chat.completion.chunk",
+                choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish_reason)], usage=usage,
+            )
+            return f"data: {event.model_dump_json(exclude_none=True)}\n\n"
 
         async def events():
             text, sent = StopTextFilter(request.stop), ""
             try:
-                yield self._build_chunk_sse(request_id, role="assistant", model=self.model_name)
+                yield chunk(ChoiceDelta(role="assistant"))
                 while (item := await queue.get()) is not _WORK_DONE:
-                    if isinstance(item, str) and (piece := text.feed(item)):
+                    if piece := text.feed(item):
                         sent += piece
-                        yield self._build_chunk_sse(request_id, content=piece, model=self.model_name)
+                        yield chunk(ChoiceDelta(content=piece))
                 try:
                     result = await job
                 except ValueError as error:
-                    yield self.chunk_to_sse(json.dumps(OpenAIError(400, str(error)).body()))
+                    yield _error_event(OpenAIError(400, str(error)))
                     return
                 except Exception as error:  # the stream has started: report it in the stream, keep serving
-                    yield self.chunk_to_sse(json.dumps(OpenAIError(500, f"Generation failed: {error}").body()))
+                    yield _error_event(OpenAIError(500, f"Generation failed: {error}"))
                     return
                 # What the stream held back: a possible stop string's start, and bytes the incremental decoder never
                 # completed (e.g. a character cut by max_tokens), which the whole answer's decode writes as U+FFFD.
                 piece = result.content[len(sent) :] if result.content.startswith(sent) else text.flush()
                 if piece:
-                    yield self._build_chunk_sse(request_id, content=piece, model=self.model_name)
-                yield self._build_chunk_sse(
-                    request_id, finish_reason=result.finish_reason, model=self.model_name, usage=_usage(result)
-                )
+                    yield chunk(ChoiceDelta(content=piece))
+                yield chunk(ChoiceDelta(), finish_reason=result.finish_reason, usage=_usage(result))
                 yield "data: [DONE]\n\n"
             except (GeneratorExit, asyncio.CancelledError):
                 if not job.done():
                     self.cancelled_streams += 1
-                streamer.cancel()  # the client left: stop generating (or never start)
+                cancelled.set()  # the client left: stop generating (or never start)
                 raise
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -197,7 +209,7 @@ class BituneChatCompletionHandler(ChatCompletionHandler):
 
 def build_app(engine: ChatEngine, model_name: str) -> FastAPI:
     """The FastAPI application: `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`."""
-    handler = BituneChatCompletionHandler(engine, model_name)
+    handler = ChatCompletions(engine, model_name)
     created = int(time.time())
     app = FastAPI(title="bitune-serve")
     app.state.handler = handler
@@ -241,6 +253,19 @@ def build_app(engine: ChatEngine, model_name: str) -> FastAPI:
                 "cache_budget_bytes": store.max_bytes, "cancelled_streams": handler.cancelled_streams}
 
     return app
+
+
+def _error_event(error: OpenAIError) -> str:
+    """An error inside a stream that has started (its status line was sent): OpenAI's error object as an event."""
+    return f"data: {json.dumps(error.body())}\n\n"
+
+
+def _text_messages(messages: list[dict]) -> list[dict]:
+    """The messages as a chat template takes them: text parts joined into one string with spaces (as `transformers
+    serve` does for text-only models)."""
+    texts = [m["content"] if isinstance(m.get("content"), str) else " ".join(p["text"] for p in m.get("content") or [])
+             for m in messages]
+    return [{"role": message["role"], "content": text} for message, text in zip(messages, texts)]
 
 
 def _usage(result: ChatResult) -> CompletionUsage:

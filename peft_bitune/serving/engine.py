@@ -1,6 +1,6 @@
 """The chat engine behind `bitune-serve`: renders conversations, continues kept caches, runs one model worker.
 
-Every request runs on one worker thread (transformers' `InferenceThread`), one after another: a request waits for the
+Every request runs on one worker thread (`worker.ModelWorker`), one after another: a request waits for the
 ones before it, and no two requests ever share a cache or a generation. A request whose rendered prompt extends a kept
 conversation (see `conversations.py`) is a chat continuation exactly as in docs/generation.md: `input_ids` is the kept
 output sequence followed by the tokens of the new text, `cache` the kept cache, so only the new tokens are
@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import StoppingCriteriaList
 
 from .. import compat
 from ..common import max_positions
 from .conversations import ConversationStore, KeptConversation
+from .streaming import Cancelled, cut_at_stop
+from .worker import ModelWorker
 
 
 @dataclass
@@ -75,14 +78,12 @@ class ChatEngine:
                 "The tokenizer has no chat template, so conversations cannot be rendered: pass one with "
                 "`--chat-template <file>` (a Jinja template, as for vLLM's server), or use a tokenizer that has one."
             )
-        from transformers.cli.serving.utils import InferenceThread
-
         self.model = model
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.store = ConversationStore(cache_budget_bytes)
         self.max_positions = max_positions(model)
-        self.worker = InferenceThread()
+        self.worker = ModelWorker()
 
     def render(self, messages: list[dict]) -> str:
         """The conversation as the chat template writes it, ending with the assistant's header."""
@@ -103,7 +104,13 @@ class ChatEngine:
     def run(
         self, request: ChatRequest, streamer: Any = None, cancelled: threading.Event | None = None
     ) -> ChatResult | None:
-        """Answer one request; runs on the worker thread. Returns None if `cancelled` was set before it started."""
+        """
+        Answer one request; runs on the worker thread.
+
+        `streamer` receives the answer's tokens as they come (`streaming.TextStream`). Once `cancelled` is set (the
+        client left), generation ends at the next token and the conversation is not kept; returns None if it was set
+        before the request started.
+        """
         if cancelled is not None and cancelled.is_set():
             return None  # the client left while the request was queued: no work at all
         input_ids, cache, cached_tokens = self._continuation_or_full_prefill(request)
@@ -123,7 +130,10 @@ class ChatEngine:
             generation_config=generation_config,
             tokenizer=self.tokenizer,  # for stop strings
             streamer=streamer,
+            stopping_criteria=StoppingCriteriaList([Cancelled(cancelled)] if cancelled is not None else []),
         )
+        if cancelled is not None and cancelled.is_set():
+            return None  # the client left: an answer cut short is neither returned nor kept
         sequence = output.sequences[0].tolist()
         answer_ids = sequence[len(input_ids) :]
         decoded = self.tokenizer.decode(answer_ids, skip_special_tokens=False)
@@ -145,39 +155,6 @@ class ChatEngine:
             self.store.keep(kept)
             return request.prompt_ids, None, 0
         return input_ids, kept.cache, kept.cache.get_seq_length()
-
-
-def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
-    """`text` up to the first stop string (OpenAI returns the answer without it), and whether one was found."""
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    return (text, False) if cut < 0 else (text[:cut], True)
-
-
-class StopTextFilter:
-    """Streams text that cannot be the start of a stop string, so that a stream ends exactly where the whole answer
-    is cut (`cut_at_stop`): the tail that might begin a stop string is held back until it is decided."""
-
-    def __init__(self, stop: list[str]) -> None:
-        self.stop = stop
-        self.pending = ""
-        self.stopped = False
-
-    def feed(self, text: str) -> str:
-        if self.stopped:
-            return ""
-        self.pending += text
-        cut, hit = cut_at_stop(self.pending, self.stop)
-        if hit:
-            self.stopped = True
-            self.pending = ""
-            return cut
-        held = max((n for s in self.stop for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
-        ready, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
-        return ready
-
-    def flush(self) -> str:
-        ready, self.pending = ("" if self.stopped else self.pending), ""
-        return ready
 
 
 def _eos_ids(generation_config: Any) -> set[int]:
