@@ -1,23 +1,30 @@
 """The OpenAI-compatible HTTP API of `bitune-serve` (FastAPI).
 
-Requests are checked here and answered with OpenAI's own response types (the `openai` package's `ChatCompletion`, and
-`ChatCompletionChunk` as server-sent events when streaming) or OpenAI's JSON error objects. The model work runs on the
-engine's worker thread (`engine.py`), so that the event loop stays free for other clients while an answer is
-generated.
+Requests are checked here (`validation.py`) and answered with OpenAI's own response types (the `openai` package's
+`ChatCompletion`, and `ChatCompletionChunk` as server-sent events when streaming) or OpenAI's JSON error objects. The
+server guards itself as vLLM's does (`ServerSettings`): API keys on every `/v1` call, JSON bodies only and of bounded
+size (so that no web page a user visits can drive it with a plain form post), no CORS headers and no `/docs` unless
+asked for. Rendering and tokenizing run on a thread of their own, and the model on the engine's worker thread
+(`engine.py`), so the event loop stays free for other clients (and `/health`) while a long request is prepared or
+answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import hmac
 import json
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
@@ -28,36 +35,48 @@ from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import ChatEngine, ChatRequest, ChatResult
+from .prompts import PromptLayoutError
 from .streaming import StopTextFilter, TextStream
+from .validation import (
+    SEED_RANGE,
+    OpenAIError,
+    check_fields,
+    check_messages,
+    check_stop,
+    optional_number,
+    optional_string,
+    parse_body,
+    text_messages,
+)
 
-# Request fields this server honours; anything else is refused rather than silently ignored.
-SUPPORTED_FIELDS = {
-    "model", "messages", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "n",
-    "user",
-}
-ROLES = {"system", "developer", "user", "assistant"}
-MAX_STOP_STRINGS = 4  # as OpenAI's API
-
-
-class OpenAIError(Exception):
-    """An error answered as OpenAI does: `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    @property
-    def type(self) -> str:
-        return "invalid_request_error" if self.status < 500 else "server_error"
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 _WORK_DONE = object()  # queued after the worker finished a streaming request, whatever happened
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """
+    How the server guards itself.
+
+    Args:
+        api_keys (`tuple[str, ...]`): every `/v1` call needs `Authorization: Bearer <one of them>`; none: open (for a
+            server that only this machine can reach). Each key also keeps its own conversations.
+        allowed_origins (`tuple[str, ...]`): web origins allowed to call the server from a browser (CORS); none by
+            default, so browsers refuse cross-site calls that read the answers.
+        docs (`bool`): serve the interactive API documentation at `/docs` (and the schema at `/openapi.json`).
+        max_request_bytes (`int`): the largest request body; a larger one is refused before it is read on.
+    """
+
+    api_keys: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    docs: bool = False
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+    def __post_init__(self) -> None:
+        if any(not key for key in self.api_keys):
+            raise ValueError("An API key cannot be empty.")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"`max_request_bytes` must be at least 1, got {self.max_request_bytes}.")
 
 
 class ChatCompletions:
@@ -67,9 +86,14 @@ class ChatCompletions:
         self.engine = engine
         self.model_name = model_name
         self.cancelled_streams = 0  # streams whose client left before the answer was complete
+        # One thread: the tokenizer is not used from two threads at once, and the event loop never renders.
+        self._preparing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitune-prepare")
 
-    async def handle_request(self, body: dict, request_id: str) -> JSONResponse | StreamingResponse:
-        request = self.chat_request(body)
+    async def handle_request(
+        self, body: dict, request_id: str, api_key: int | None = None
+    ) -> JSONResponse | StreamingResponse:
+        loop = asyncio.get_running_loop()
+        request = await loop.run_in_executor(self._preparing, self.chat_request, body, api_key)
         if body.get("stream"):
             return self._stream(request, request_id)
         try:
@@ -87,14 +111,10 @@ class ChatCompletions:
         )
         return JSONResponse(completion.model_dump(exclude_none=True))
 
-    def chat_request(self, body: dict) -> ChatRequest:
-        """Check a request body and render its conversation; raises `OpenAIError` for anything wrong."""
-        unsupported = sorted(set(body) - SUPPORTED_FIELDS)
-        if unsupported:
-            raise OpenAIError(
-                400, f"Unsupported request fields {unsupported}; bitune-serve supports {sorted(SUPPORTED_FIELDS)}.",
-                param=unsupported[0],
-            )
+    def chat_request(self, body: dict, api_key: int | None = None) -> ChatRequest:
+        """Check a request body and lay out its conversation; raises `OpenAIError` for anything wrong. The request
+        may reuse the conversations kept for the same API key, `user` and `prompt_cache_key` only."""
+        check_fields(body)
         model = body.get("model")
         if model != self.model_name:
             raise OpenAIError(
@@ -105,33 +125,35 @@ class ChatCompletions:
             raise OpenAIError(400, f"`n` must be 1 (one answer per request), got {body['n']!r}.", "n")
         if body.get("stream") not in (None, True, False):
             raise OpenAIError(400, f"`stream` must be true or false, got {body['stream']!r}.", "stream")
-        messages = _check_messages(body.get("messages"))
-        max_completion_tokens = _optional_number(body, "max_completion_tokens", int, 1)
-        max_tokens = _optional_number(body, "max_tokens", int, 1)
+        messages = check_messages(body.get("messages"))
+        max_completion_tokens = optional_number(body, "max_completion_tokens", int, 1)
+        max_tokens = optional_number(body, "max_tokens", int, 1)
         if max_completion_tokens is not None:
             max_tokens = max_completion_tokens  # OpenAI's newer name wins, as in transformers serve
-        temperature = _optional_number(body, "temperature", float, 0.0, 2.0)
-        top_p = _optional_number(body, "top_p", float, 0.0, 1.0)
+        temperature = optional_number(body, "temperature", float, 0.0, 2.0)
+        top_p = optional_number(body, "top_p", float, 0.0, 1.0)
         if top_p == 0.0:
             raise OpenAIError(400, "`top_p` must be above 0.", "top_p")
-        seed = _optional_number(body, "seed", int)
-        stop = _check_stop(body.get("stop"))
+        seed = optional_number(body, "seed", int, *SEED_RANGE)
+        stop = check_stop(body.get("stop"))
+        partition = (api_key, optional_string(body, "user"), optional_string(body, "prompt_cache_key"))
         try:
-            prompt_text = self.engine.render(_text_messages(messages))
+            prompt = self.engine.prompts.build(text_messages(messages))
         except TemplateError as error:
             raise OpenAIError(400, f"The chat template refused the messages: {error}", "messages") from error
-        prompt_ids = self.engine.tokenize(prompt_text)
-        if not self.engine.room_for(len(prompt_ids), max_tokens):
+        except PromptLayoutError as error:
+            raise OpenAIError(400, str(error), "messages") from error
+        if not self.engine.room_for(len(prompt), max_tokens):
             raise OpenAIError(
                 400,
                 f"This model's maximum context length is {self.engine.max_positions} tokens; the messages take "
-                f"{len(prompt_ids)} tokens and {max_tokens or 1} more are asked for. Shorten the conversation or "
+                f"{len(prompt)} tokens and {max_tokens or 1} more are asked for. Shorten the conversation or "
                 "lower `max_tokens` (nothing is truncated silently).",
                 "messages", "context_length_exceeded",
             )
         # Seeded on the worker, right before this request runs: seeding here would reseed whatever runs meanwhile.
-        return ChatRequest(prompt_text, prompt_ids, self._generation_config(temperature, top_p, stop), max_tokens,
-                           stop, seed)
+        generation_config = self._generation_config(temperature, top_p, stop)
+        return ChatRequest(prompt, generation_config, max_tokens, stop, seed, partition)
 
     def _generation_config(self, temperature: float | None, top_p: float | None, stop: list[str]) -> Any:
         """The model's generation config with the request's settings: greedy at temperature 0, sampling at any
@@ -206,17 +228,27 @@ class ChatCompletions:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    def close(self) -> None:
+        self._preparing.shutdown(wait=False, cancel_futures=True)
 
-def build_app(engine: ChatEngine, model_name: str) -> FastAPI:
+
+def build_app(engine: ChatEngine, model_name: str, settings: ServerSettings | None = None) -> FastAPI:
     """The FastAPI application: `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`."""
+    settings = settings or ServerSettings()
     handler = ChatCompletions(engine, model_name)
     created = int(time.time())
-    app = FastAPI(title="bitune-serve")
+    app = FastAPI(title="bitune-serve", docs_url="/docs" if settings.docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if settings.docs else None)
     app.state.handler = handler
+    app.state.settings = settings
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, error: OpenAIError) -> JSONResponse:
-        return error.response()
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+        return error.response(headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -230,21 +262,33 @@ def build_app(engine: ChatEngine, model_name: str) -> FastAPI:
     async def server_error(_request: Request, error: Exception) -> JSONResponse:
         return OpenAIError(500, f"Internal error: {type(error).__name__}: {error}").response()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise OpenAIError(400, f"The request body is not valid JSON: {error}.") from error
-        if not isinstance(body, dict):
-            raise OpenAIError(400, f"The request body must be a JSON object, got {type(body).__name__}.")
-        return await handler.handle_request(body, f"chatcmpl-{uuid.uuid4().hex}")
+    def authorized_key(request: Request) -> int | None:
+        """The index of the API key the request carries (None when the server has no keys); 401 otherwise."""
+        if not settings.api_keys:
+            return None
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        given_bytes = given.strip().encode("utf-8", "surrogateescape")
+        matches = [hmac.compare_digest(key.encode("utf-8"), given_bytes) for key in settings.api_keys]  # all compared
+        if scheme.lower() != "bearer" or not any(matches):
+            raise OpenAIError(
+                401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with a key this server was "
+                "started with (--api-key or BITUNE_SERVE_API_KEY).", code="invalid_api_key",
+            )
+        return matches.index(True)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request, api_key: int | None = Depends(authorized_key)) -> Any:
+        body = parse_body(await _read_json_body(request, settings.max_request_bytes))
+        return await handler.handle_request(body, f"chatcmpl-{uuid.uuid4().hex}", api_key)
+
+    @v1.get("/models")
+    async def models(_api_key: int | None = Depends(authorized_key)) -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "peft-bitune"}]}
+
+    app.include_router(v1)
 
     @app.get("/health")
     async def health() -> dict:
@@ -255,17 +299,34 @@ def build_app(engine: ChatEngine, model_name: str) -> FastAPI:
     return app
 
 
+async def _read_json_body(request: Request, max_bytes: int) -> bytes:
+    """The body of a JSON request, refused (415) unless it says it is JSON, and (413) as soon as it is known to be
+    larger than `max_bytes`: from its Content-Length, or while it arrives."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise OpenAIError(
+            415, f"Request bodies must be JSON, sent with `Content-Type: application/json` (got "
+            f"{media_type or 'none'!r}).",
+        )
+    too_large = OpenAIError(
+        413, f"The request body is larger than this server's limit of {max_bytes} bytes (--max-request-bytes).",
+        code="request_too_large",
+    )
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _error_event(error: OpenAIError) -> str:
     """An error inside a stream that has started (its status line was sent): OpenAI's error object as an event."""
     return f"data: {json.dumps(error.body())}\n\n"
-
-
-def _text_messages(messages: list[dict]) -> list[dict]:
-    """The messages as a chat template takes them: text parts joined into one string with spaces (as `transformers
-    serve` does for text-only models)."""
-    texts = [m["content"] if isinstance(m.get("content"), str) else " ".join(p["text"] for p in m.get("content") or [])
-             for m in messages]
-    return [{"role": message["role"], "content": text} for message, text in zip(messages, texts)]
 
 
 def _usage(result: ChatResult) -> CompletionUsage:
@@ -276,49 +337,3 @@ def _usage(result: ChatResult) -> CompletionUsage:
         total_tokens=result.prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens),
     )
-
-
-def _check_messages(messages: Any) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError(400, "`messages` must be a non-empty list of {role, content} objects.", "messages")
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict) or set(message) - {"role", "content"} or "role" not in message:
-            raise OpenAIError(
-                400, f"`{where}` must be an object with `role` and `content` only, got {message!r}.", where
-            )
-        if message["role"] not in ROLES:
-            raise OpenAIError(400, f"`{where}.role` must be one of {sorted(ROLES)}, got {message['role']!r}.", where)
-        content = message.get("content")
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        if not isinstance(parts, list) or not all(
-            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            for part in parts
-        ):
-            raise OpenAIError(
-                400, f"`{where}.content` must be a string or a list of text parts (this model reads text only).", where
-            )
-    return messages
-
-
-def _optional_number(body: dict, name: str, kind: type, low: float | None = None, high: float | None = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise OpenAIError(400, f"`{name}` must be a{'n integer' if kind is int else ' number'}, got {value!r}.", name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
-        raise OpenAIError(400, f"`{name}` must be {bounds}, got {value!r}.", name)
-    return kind(value)
-
-
-def _check_stop(stop: Any) -> list[str]:
-    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    well_formed = isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)
-    if not well_formed or len(stops) > MAX_STOP_STRINGS:
-        raise OpenAIError(
-            400, f"`stop` must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them, got {stop!r}.",
-            "stop",
-        )
-    return stops
