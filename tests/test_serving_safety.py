@@ -19,9 +19,10 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serving tests need the `serve` extra")
 pytest.importorskip("fastapi", reason="the serving tests need the `serve` extra")
 
-from peft_bitune.serving.app import ServerSettings, build_app  # noqa: E402
+from peft_bitune.serving.app import build_app  # noqa: E402
 from peft_bitune.serving.engine import ChatEngine  # noqa: E402
 from peft_bitune.serving.server import serving_in_thread  # noqa: E402
+from peft_bitune.serving.settings import ServerSettings  # noqa: E402
 from serving_helpers import (  # noqa: E402
     FOLLOW_UPS,
     MAX_TOKENS,
@@ -175,6 +176,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(guarded):
     cases = [
         (b"{not json", 400),
         (b"[1, 2]", 400),
+        (b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),  # deeper than Python's recursion limit
         (json.dumps({**GOOD, "model": "gpt-4o"}).encode(), 404),
         (json.dumps({**GOOD, "messages": []}).encode(), 400),
         (json.dumps({**GOOD, "n": 2}).encode(), 400),

@@ -4,6 +4,7 @@
 - `conversations.py`: the kept conversations, and how much of one a request may reuse without changing its answer;
 - `engine.py`: reads a request (reusing what it may), generates, keeps the result; `worker.py`: its one model thread;
 - `streaming.py`: incremental text, stop strings, clients that leave;
+- `settings.py`: how the server guards itself (API keys, origins, the largest body);
 - `validation.py`, `app.py`, `server.py`, `cli.py`: the HTTP side, which needs the `serve` extra (`pip install
   'peft-bitune[serve]'`: FastAPI, uvicorn, openai; jinja2 renders chat templates).
 """

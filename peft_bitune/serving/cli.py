@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..common import is_bitune_type, peft_type_name
+from .settings import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
 
 DEFAULT_CACHE_MEMORY_MB = 1024
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # as `app.DEFAULT_MAX_REQUEST_BYTES` (app.py needs the `serve` extra)
 API_KEY_VARIABLE = "BITUNE_SERVE_API_KEY"
 
 
@@ -187,7 +187,7 @@ def is_loopback(host: str) -> bool:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        from .app import ServerSettings, build_app
+        from .app import build_app
         from .server import serve, url_of
     except ImportError as error:
         raise fail(f"bitune-serve needs FastAPI, uvicorn and openai: `pip install 'peft-bitune[serve]'` ({error}).")

@@ -44,11 +44,13 @@ def parse_body(raw: bytes) -> dict:
     """The request body as a JSON object of valid Unicode text; raises `OpenAIError` (400) otherwise."""
     try:
         body = json.loads(raw, parse_constant=_refuse_constant)
+        if not isinstance(body, dict):
+            raise OpenAIError(400, f"The request body must be a JSON object, got {type(body).__name__}.")
+        _check_unicode(body, "")
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise OpenAIError(400, f"The request body is not valid JSON: {error}.") from error
-    if not isinstance(body, dict):
-        raise OpenAIError(400, f"The request body must be a JSON object, got {type(body).__name__}.")
-    _check_unicode(body, "")
+    except RecursionError:
+        raise OpenAIError(400, "The request body is nested too deeply to be a chat completion request.") from None
     return body
 
 
