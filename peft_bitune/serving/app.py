@@ -2,11 +2,11 @@
 
 Requests are checked here (`validation.py`) and answered with OpenAI's own response types (the `openai` package's
 `ChatCompletion`, and `ChatCompletionChunk` as server-sent events when streaming) or OpenAI's JSON error objects. The
-server guards itself as vLLM's does (`ServerSettings`): API keys on every `/v1` call, JSON bodies only and of bounded
-size (so that no web page a user visits can drive it with a plain form post), no CORS headers and no `/docs` unless
-asked for. Rendering and tokenizing run on a thread of their own, and the model on the engine's worker thread
-(`engine.py`), so the event loop stays free for other clients (and `/health`) while a long request is prepared or
-answered.
+server guards itself (`ServerSettings`, as vLLM's server does and a little more): API keys on every `/v1` call, JSON
+bodies only and of bounded size (so that no web page a user visits can drive it with a plain form post), no CORS
+headers and no `/docs` unless asked for. Rendering and tokenizing run on a thread of their own, and the model on the
+engine's worker thread (`engine.py`), so the event loop stays free for other clients (and `/health`) while a long
+request is prepared or answered.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class ChatCompletions:
         self.engine = engine
         self.model_name = model_name
         self.cancelled_streams = 0  # streams whose client left before the answer was complete
-        # One thread: the tokenizer is not used from two threads at once, and the event loop never renders.
+        # Requests are rendered and tokenized here, one at a time, never on the event loop.
         self._preparing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitune-prepare")
 
     async def handle_request(
