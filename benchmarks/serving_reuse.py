@@ -4,10 +4,11 @@ reuse.
 The same conversation (five user turns made of the embedded miniature data, see `user_turns`; answers of a fixed
 length) goes through the real HTTP server with the `openai` client, streamed and greedy, in each round once to a server
 that keeps conversation caches (each later turn reads only its new tokens, paper A.8 alternating) and once to one with
-a zero cache budget (every turn a full prefill of the whole rendered conversation); the two alternate, so that a noisy
-machine slows both alike. Per turn it records the prompt tokens, the tokens actually read (`prompt_tokens -
-cached_tokens`), the time to the first answer token (queue + prefill + first decoding step) and the whole turn's time;
-the medians over `--rounds` rounds (after one warm-up round) are reported.
+a zero cache budget (every turn a full prefill of the whole conversation, read turn by turn as the adapter was
+trained); the two alternate, so that a noisy machine slows both alike, and each round is a new conversation for both.
+Per turn it records the prompt tokens, the tokens actually read (`prompt_tokens - cached_tokens`), the time to the
+first answer token (queue + prefill + first decoding step) and the whole turn's time; the medians over `--rounds`
+rounds (after one warm-up round) are reported.
 
     python benchmarks/serving_reuse.py --json docs/serving_reuse.json        # miniature and small shapes, CPU
     python benchmarks/serving_reuse.py --model medium --device cuda           # a ~1B-parameter Llama shape
@@ -116,13 +117,14 @@ def measure(model_name: str, device: str, dtype: torch.dtype, rounds: int, max_t
     modes = {"reuse": 2**30, "full_prefill": 0}
     runs: dict[str, list] = {mode: [] for mode in modes}
     with contextlib.ExitStack() as stack:
-        clients = {}
+        clients, engines = {}, {}
         for mode, budget in modes.items():  # two servers over the one model; requests never overlap
-            engine = ChatEngine(model, tokenizer, template, cache_budget_bytes=budget)
-            url = stack.enter_context(serving_in_thread(build_app(engine, "bench")))
+            engines[mode] = ChatEngine(model, tokenizer, template, cache_budget_bytes=budget)
+            url = stack.enter_context(serving_in_thread(build_app(engines[mode], "bench")))
             clients[mode] = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
         for round_index in range(rounds + 1):  # the modes alternate, so that a noisy machine slows both alike
             for mode, client in clients.items():
+                engines[mode].store.clear()  # each round a new conversation (the same one would be a retry)
                 rows = run_conversation(client, "bench", turns, max_tokens)
                 if round_index > 0:  # round 0 warms up
                     runs[mode].append(rows)

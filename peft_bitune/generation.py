@@ -43,20 +43,36 @@ class BituneGenerationMixin:
     """`prefill` and `generate` of `BituneModel`; what they use of it is declared by `GenerationHost`."""
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None) -> BituneCache:
+    def prefill(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, cache: BituneCache | None = None
+    ) -> BituneCache:
         """
         Read left-padded prompts twice and return the mixed cache of every prompt minus its last token.
 
         The result is a `BituneCache` (a transformers `DynamicCache`) holding `input_ids.shape[1] - 1` positions; pass
         it to `generate` with the full `input_ids`, or continue with forward calls (causal weights).
 
+        With `cache` (of an earlier `generate` or `prefill` of this model), `input_ids` is the conversation the cache
+        stands for (`cache.conversation_ids`) followed by a new instruction, as for `generate`: what the cache has not
+        read of the conversation runs causally, then the new instruction minus its last token is read twice and mixed.
+        The cache is extended in place and returned, ready for `generate` with the same `input_ids`. Laying out a
+        conversation turn by turn without decoding (e.g. a server re-reading a chat history) is a chain of these,
+        each with `cache.record_conversation` first naming the answer the next instruction follows.
+
         Args:
             input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the prompts, left-padded.
             attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
+            cache (`BituneCache`, *optional*): the conversation to continue.
         """
-        attention_mask = check_prompts(input_ids, attention_mask, max_positions(self.model))
         with _checkpointing_off(self._router.index.checkpoint_layers):
-            return self._prefill_cache(input_ids, attention_mask)
+            if cache is None:
+                attention_mask = check_prompts(input_ids, attention_mask, max_positions(self.model))
+                return self._prefill_cache(input_ids, attention_mask)
+            check_not_empty(input_ids)
+            attention_mask = self._check_conversation(cache, input_ids, attention_mask)
+            self._continue_conversation(cache, input_ids, attention_mask)
+            cache.record_conversation(input_ids[:, :-1], attention_mask[:, :-1])
+            return cache
 
     def _prefill_cache(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, inputs_embeds: torch.Tensor | None = None

@@ -53,3 +53,40 @@ def trl_model_dir(tmp_path_factory) -> str:
     import trl_helpers
 
     return trl_helpers.save_model_and_tokenizer(tmp_path_factory.mktemp("trl_model"))
+
+
+# ------------------------------------------------------------------------------------------------- bitune-serve
+@pytest.fixture(scope="session")
+def serving_adapter(tmp_path_factory) -> str:
+    """A random (non-trivial) alternating Bitune adapter on the miniature base, saved: what the serving tests serve."""
+    from reference import make_bitune
+    from serving_helpers import BASE
+
+    path = tmp_path_factory.mktemp("serving") / "adapter"
+    make_bitune(AutoModelForCausalLM.from_pretrained(BASE), seed=3).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def serving_tokenizer():
+    from transformers import AutoTokenizer
+
+    from serving_helpers import BASE
+
+    return AutoTokenizer.from_pretrained(BASE)
+
+
+@pytest.fixture(scope="session")
+def serving_template() -> str:
+    from serving_helpers import TEMPLATE_FILE
+
+    with open(TEMPLATE_FILE, encoding="utf-8") as file:
+        return file.read()
+
+
+@pytest.fixture(scope="session")
+def full_prefill(serving_adapter, serving_tokenizer, serving_template):
+    """The reference answers: a copy of the adapter that keeps nothing, run in the test's thread."""
+    from serving_helpers import FullPrefill, load_model
+
+    return FullPrefill(load_model(serving_adapter), serving_tokenizer, serving_template)

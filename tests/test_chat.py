@@ -244,3 +244,24 @@ def test_a_chat_goes_on_after_beam_search_turns_as_a_fresh_read_of_the_returned_
         for step, position in enumerate(last_turn):
             torch.testing.assert_close(out.logits[step][row], logits[position], atol=1e-4, rtol=0)
         assert out.sequences[row, start:].tolist() == logits[last_turn].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_conversation_laid_out_turn_by_turn_with_prefill_continues_like_the_chat(load_base, arch):
+    """A chat history re-read without decoding (`prefill` with `cache`, each answer named with `record_conversation`)
+    leaves the cache the chat itself built: the next answer is the same."""
+    model = make_bitune(load_base(arch)).eval()
+    history = chat(model, [random_rows([n], seed=turn) for turn, n in enumerate([4, 1, 6, 3])])[0]
+    conversation = history[0][0][None]
+    cache = model.base_model.prefill(conversation)
+    assert cache.conversation_length == cache.get_seq_length() == conversation.shape[1] - 1
+    for (_, answer), (instruction, _) in zip(history[:-1], history[1:]):
+        conversation = torch.cat([conversation, answer[None]], dim=1)
+        cache.record_conversation(conversation, torch.ones_like(conversation))
+        conversation = torch.cat([conversation, instruction[None]], dim=1)
+        assert model.base_model.prefill(conversation, cache=cache) is cache
+        assert cache.get_seq_length() == cache.conversation_length == conversation.shape[1] - 1
+    output = model.generate(input_ids=conversation, cache=cache, **SETTINGS)
+    assert torch.equal(output.sequences[0, conversation.shape[1] :], history[-1][1])
+    with pytest.raises(ValueError, match="does not continue the conversation"):
+        model.base_model.prefill(torch.cat([conversation + 1, conversation], dim=1), cache=cache)

@@ -1,20 +1,15 @@
-"""`bitune-serve`: an OpenAI-compatible server on 127.0.0.1, talked to with the real `openai` client.
-
-Answers are checked against `model.generate` with the chat continuation of docs/generation.md (greedy), on the
-miniature base with a random (non-trivial) Bitune adapter saved and loaded back.
+"""`bitune-serve` answers, talked to with the real `openai` client on 127.0.0.1: the same request gets the same answer
+whatever the server kept (its kept conversation, a full prefill, a fresh server, a retry), and that answer is greedy
+decoding with the training forward on the conversation laid out turn by turn. The miniature base with a random
+(non-trivial) Bitune adapter, saved and loaded back (fixtures in conftest.py).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from urllib.parse import urlparse
 
 import pytest
@@ -23,127 +18,127 @@ import torch
 openai = pytest.importorskip("openai", reason="the serving tests need the `serve` extra")
 pytest.importorskip("fastapi", reason="the serving tests need the `serve` extra")
 
-from peft import PeftModel  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
-from peft_bitune import compat  # noqa: E402
 from peft_bitune.caches import BituneCache  # noqa: E402
 from peft_bitune.serving import ConversationStore, KeptConversation  # noqa: E402
 from peft_bitune.serving.app import build_app  # noqa: E402
-from peft_bitune.serving.engine import ChatEngine, StopTextFilter, cut_at_stop  # noqa: E402
+from peft_bitune.serving.conversations import reusable_prefix  # noqa: E402
+from peft_bitune.serving.engine import ChatEngine  # noqa: E402
+from peft_bitune.serving.prompts import Prompt, PromptBuilder, PromptLayoutError  # noqa: E402
 from peft_bitune.serving.server import serving_in_thread  # noqa: E402
+from peft_bitune.serving.streaming import StopTextFilter, TextStream, cut_at_stop  # noqa: E402
 from reference import make_bitune  # noqa: E402
+from serving_helpers import (  # noqa: E402
+    BASE,
+    FOLLOW_UPS,
+    MAX_TOKENS,
+    NAME,
+    REQUEST_TIMEOUT_S,
+    STORIES,
+    ask,
+    assistant,
+    converse,
+    get_json,
+    greedy_by_the_training_forward,
+    load_model,
+    user,
+)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = os.path.join(ROOT, "examples", "miniature", "base")
-TEMPLATE_FILE = os.path.join(ROOT, "examples", "miniature", "chat_template.jinja")
-NAME = "miniature-bitune"
-MAX_TOKENS = 6
-REQUEST_TIMEOUT_S = 300  # generous: on a loaded CI machine a request may wait behind all the others
-STORIES = [
-    "Story: Ana has 2 hats. Bo has 5 hats.\nAsk: How many hats do they have?",
-    "Story: Leki packed a map, a coin and a vase into a bag.\nAsk: Is there a book in the bag?",
-    "Story: Zafu packed a cup and a coin into a bag.\nAsk: How many things are in the bag?",
-    "Story: Kuza packed a vase, a rope and a box into a bag.\nAsk: What went into the bag first?",
-    "Story: Mio has 3 cups. Tey has 1 cup.\nAsk: Who has more cups?",
-    "Story: Ro packed a hat and a map into a bag.\nAsk: What went into the bag last?",
-    "Story: Nel has 4 coins. Pim has 4 coins.\nAsk: Do they have the same number of coins?",
-    "Story: Oda packed a rope into a bag.\nAsk: Is there a rope in the bag?",
-]
-FOLLOW_UPS = ["Ask: Are you sure?", "Ask: Say it again."]
-
-
-@pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("serving") / "adapter"
-    make_bitune(AutoModelForCausalLM.from_pretrained(BASE), seed=3).save_pretrained(path)
-    return str(path)
+# The miniature template with TRL's `{% generation %}` markers around what the assistant writes.
+MARKED_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}{% else %}{{ message['content'] }}"
+    "{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
-@pytest.fixture(scope="module")
-def template():
-    with open(TEMPLATE_FILE, encoding="utf-8") as file:
-        return file.read()
+def client_of(url: str, api_key: str = "unused"):
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(BASE)
-
-
-def load_model(adapter_dir):
-    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), adapter_dir).eval()
-
-
-@pytest.fixture(scope="module")
-def reference_model(adapter_dir):
-    """A second copy of the adapter for the expected answers: the server's own model runs on its worker thread."""
-    return load_model(adapter_dir)
-
-
-@pytest.fixture(scope="module")
-def server(adapter_dir, tokenizer, template):
-    engine = ChatEngine(load_model(adapter_dir), tokenizer, template, cache_budget_bytes=64 * 2**20)
+def server(serving_adapter, serving_tokenizer, serving_template):
+    engine = ChatEngine(load_model(serving_adapter), serving_tokenizer, serving_template, 64 * 2**20)
     with serving_in_thread(build_app(engine, NAME)) as url:
         yield url, engine
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
+    return client_of(server[0])
 
 
-def render(tokenizer, template, messages):
-    return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+def test_the_same_request_gets_the_same_answer_whatever_the_server_kept(
+    server, client, full_prefill, serving_adapter, serving_tokenizer, serving_template
+):
+    """Three turns, each answered from the kept conversation, by a full prefill, on a retry, and (the last one) by a
+    fresh server; all equal greedy decoding with the training forward on the conversation laid out turn by turn."""
+    eos_ids = {serving_tokenizer.eos_token_id}
+    messages, previous = [], None
+    for number, turn in enumerate([STORIES[0], *FOLLOW_UPS]):
+        messages.append(user(turn))
+        kept, prompt_tokens, cached = ask(client, messages)
+        retried, _, cached_on_retry = ask(client, messages)
+        reference = full_prefill.result(messages)
+        prompt = full_prefill.requests.chat_request(
+            {"model": NAME, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}).prompt
+        by_forward = greedy_by_the_training_forward(full_prefill.engine.model, prompt, MAX_TOKENS, eos_ids)
+        assert reference.answer_ids == by_forward
+        assert kept == retried == reference.content
+        # The kept conversation held everything before this turn but the previous answer's last token, which is read
+        # again; a retry holds all of its prompt but the last token, which decoding reads.
+        assert cached == (0 if previous is None else previous.prompt_tokens + len(previous.answer_ids) - 1)
+        assert cached_on_retry == prompt_tokens - 1 == reference.prompt_tokens - 1
+        messages.append(assistant(kept))
+        previous = reference
+    engine = ChatEngine(load_model(serving_adapter), serving_tokenizer, serving_template, 64 * 2**20)
+    with serving_in_thread(build_app(engine, NAME)) as url:
+        fresh, _, cached = ask(client_of(url), messages[:-1])
+    assert (fresh, cached) == (messages[-1]["content"], 0)
 
 
-def reference_chat(model, tokenizer, template, user_turns, max_tokens=MAX_TOKENS):
-    """Expected (answer, cached_tokens) per turn: docs/generation.md's chat continuation, greedy. Each later turn's
-    input is the previous output sequence, then the tokens of the text the template adds after the previous answer."""
-    messages, output, kept_text, results = [], None, None, []
-    for turn in user_turns:
-        messages.append({"role": "user", "content": turn})
-        text = render(tokenizer, template, messages)
-        settings = dict(max_new_tokens=max_tokens, do_sample=False, return_dict_in_generate=True)
-        if output is None:
-            input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-            cache, cached = None, 0
-        else:
-            assert text.startswith(kept_text)
-            new = tokenizer(text[len(kept_text) :], add_special_tokens=False, return_tensors="pt")["input_ids"]
-            input_ids, cache = torch.cat([output.sequences, new], dim=1), compat.output_cache(output)
-            cached = cache.get_seq_length()
-        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), cache=cache,
-                                **settings)
-        answer_ids = output.sequences[0, input_ids.shape[1] :]
-        answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
-        kept_text = text + tokenizer.decode(answer_ids, skip_special_tokens=False)
-        messages.append({"role": "assistant", "content": answer})
-        results.append((answer, cached))
-    return results
+def test_an_answer_the_client_shortened_reuses_the_part_it_shares(client, full_prefill):
+    """Partial reuse: the kept answer is cropped where the client's copy of it ends (a stripped or cut answer, or a
+    template that writes it otherwise); the answer is the full prefill's."""
+    first = [user(STORIES[1])]
+    answer, prompt_tokens, _ = ask(client, first)
+    whole = full_prefill.result(first)
+    assert answer == whole.content and len(whole.answer_ids) > 2
+    shortened = [*first, assistant(answer[: len(answer) // 2]), user(FOLLOW_UPS[0])]
+    again, _, cached = ask(client, shortened)
+    assert prompt_tokens < cached < prompt_tokens + len(whole.answer_ids) - 1
+    assert again == full_prefill.answer(shortened)
 
 
-def full_prefill_answer(model, tokenizer, template, messages, max_tokens=MAX_TOKENS):
-    ids = tokenizer(render(tokenizer, template, messages), add_special_tokens=False, return_tensors="pt")["input_ids"]
-    output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                            do_sample=False)
-    return tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
+def test_an_edited_answer_reuses_only_what_precedes_it(client, full_prefill):
+    answer, prompt_tokens, _ = ask(client, [user(STORIES[2])])
+    edited = [user(STORIES[2]), assistant("(edited) " + answer), user(FOLLOW_UPS[0])]
+    again, _, cached = ask(client, edited)
+    assert cached == prompt_tokens  # the first instruction, not a token of the answer
+    assert again == full_prefill.answer(edited)
 
 
-def server_chat(client, user_turns, max_tokens=MAX_TOKENS, stream_last=False):
-    """(answer, cached_tokens) per turn from the server, each turn sending the whole conversation so far."""
-    messages, results = [], []
-    for i, turn in enumerate(user_turns):
-        messages.append({"role": "user", "content": turn})
-        if stream_last and i == len(user_turns) - 1:
-            answer, usage, _ = streamed(client, messages, max_tokens)
-        else:
-            response = client.chat.completions.create(model=NAME, messages=messages, max_tokens=max_tokens,
-                                                      temperature=0)
-            answer, usage = response.choices[0].message.content, response.usage
-        messages.append({"role": "assistant", "content": answer})
-        results.append((answer, usage.prompt_tokens_details.cached_tokens))
-    return results
+def test_a_history_adapter_reads_the_whole_conversation_as_one_instruction(
+    tmp_path, serving_tokenizer, serving_template
+):
+    """`multi_turn="history"`: every request is a full prefill of the whole conversation as one instruction (what
+    `generate` without a cache does); no turn continues a kept one, only a retry of the same request reuses it."""
+    make_bitune(AutoModelForCausalLM.from_pretrained(BASE), seed=5, multi_turn="history").save_pretrained(tmp_path)
+    engine = ChatEngine(load_model(str(tmp_path)), serving_tokenizer, serving_template, 64 * 2**20)
+    with serving_in_thread(build_app(engine, NAME)) as url:
+        history_client = client_of(url)
+        messages = [user(STORIES[3])]
+        first, _, _ = ask(history_client, messages)
+        messages += [assistant(first), user(FOLLOW_UPS[0])]
+        second, prompt_tokens, cached = ask(history_client, messages)
+        retried, _, cached_on_retry = ask(history_client, messages)
+    text = serving_tokenizer.apply_chat_template(messages, chat_template=serving_template, add_generation_prompt=True,
+                                                 tokenize=False)
+    ids = serving_tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    output = load_model(str(tmp_path)).generate(input_ids=ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+    assert second == retried == serving_tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
+    assert (cached, cached_on_retry) == (0, prompt_tokens - 1)
 
 
 def streamed(client, messages, max_tokens=MAX_TOKENS, **settings):
@@ -154,36 +149,16 @@ def streamed(client, messages, max_tokens=MAX_TOKENS, **settings):
     return text, chunks[-1].usage, finish
 
 
-def post_raw(url, body: bytes, path="/v1/chat/completions"):
-    request = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
-def get_json(url, path):
-    with urllib.request.urlopen(url + path, timeout=REQUEST_TIMEOUT_S) as response:
-        return json.loads(response.read())
-
-
-def test_a_two_turn_chat_equals_generate_with_the_chat_continuation(client, reference_model, tokenizer, template):
-    turns = [STORIES[0], FOLLOW_UPS[0]]
-    expected = reference_chat(reference_model, tokenizer, template, turns)
-    assert server_chat(client, turns) == expected
-    assert expected[1][1] > 0  # the second turn read only its new tokens over the kept cache
-
-
-def test_streaming_equals_non_streaming(client, tokenizer, template):
-    turns = [STORIES[1], FOLLOW_UPS[1]]
-    plain = server_chat(client, turns)
-    streamed_last = server_chat(client, turns, stream_last=True)  # the same first turn again, then a streamed reuse
-    assert streamed_last == plain and plain[1][1] > 0
+def test_streaming_equals_non_streaming(client):
+    plain = converse(client, [STORIES[1], FOLLOW_UPS[1]])
+    messages = [user(STORIES[1]), assistant(plain[0][0]), user(FOLLOW_UPS[1])]
+    text, usage, finish = streamed(client, messages)  # a retry of the last turn, streamed
+    assert (text, usage.prompt_tokens) == plain[1][:2] and usage.prompt_tokens_details.cached_tokens == plain[1][1] - 1
+    assert finish in (["stop"], ["length"])
     answer = plain[0][0]
     assert len(answer) > 3, "the stop-string check below needs a longer answer"
     stop = answer[2:4]
-    messages = [{"role": "user", "content": STORIES[1]}]
+    messages = [user(STORIES[1])]
     cut = client.chat.completions.create(
         model=NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stop=[stop]
     )
@@ -193,80 +168,42 @@ def test_streaming_equals_non_streaming(client, tokenizer, template):
     assert (text, finish) == (cut.choices[0].message.content, ["stop"])
 
 
-def test_eight_concurrent_clients_three_turns_each_get_their_own_answers(client, reference_model, tokenizer, template):
+def expected_conversation(full_prefill, user_turns):
+    """The answers of a conversation, each turn a full prefill of the conversation so far."""
+    messages, answers = [], []
+    for turn in user_turns:
+        messages.append(user(turn))
+        answers.append(full_prefill.answer(messages))
+        messages.append(assistant(answers[-1]))
+    return answers
+
+
+def test_eight_concurrent_clients_three_turns_each_get_their_own_answers(client, full_prefill):
     conversations = [[story, *FOLLOW_UPS] for story in STORIES]
-    expected = [reference_chat(reference_model, tokenizer, template, turns) for turns in conversations]
-    assert len({tuple(answer for answer, _ in turns) for turns in expected}) > 1, (
-        "answers must differ to show cross-talk"
-    )
+    expected = [expected_conversation(full_prefill, turns) for turns in conversations]
+    assert len({tuple(answers) for answers in expected}) > 1, "answers must differ to show cross-talk"
     results: list = [None] * len(conversations)
 
     def talk(i):
-        results[i] = server_chat(client, conversations[i])
+        results[i] = converse(client, conversations[i])
 
     threads = [threading.Thread(target=talk, args=(i,)) for i in range(len(conversations))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=REQUEST_TIMEOUT_S)
-    assert results == expected
-    assert all(cached > 0 for turns in results for _, cached in turns[1:])
+    assert [[answer for answer, _, _ in turns] for turns in results] == expected
+    assert all(cached > 0 for turns in results for _, _, cached in turns[1:])
 
 
-def test_an_edited_history_gets_a_full_prefill_not_the_kept_cache(client, reference_model, tokenizer, template):
-    first = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": STORIES[2]}],
-                                           max_tokens=MAX_TOKENS, temperature=0)
-    edited = [{"role": "user", "content": STORIES[2]},
-              {"role": "assistant", "content": "(edited) " + first.choices[0].message.content},
-              {"role": "user", "content": FOLLOW_UPS[0]}]
-    response = client.chat.completions.create(model=NAME, messages=edited, max_tokens=MAX_TOKENS, temperature=0)
-    assert response.usage.prompt_tokens_details.cached_tokens == 0
-    assert response.choices[0].message.content == full_prefill_answer(reference_model, tokenizer, template, edited)
-
-
-def test_a_dropped_conversation_gets_a_full_prefill(adapter_dir, reference_model, tokenizer, template):
-    engine = ChatEngine(load_model(adapter_dir), tokenizer, template, cache_budget_bytes=1)  # keeps nothing
+def test_a_dropped_conversation_gets_a_full_prefill(
+    serving_adapter, serving_tokenizer, serving_template, full_prefill
+):
+    engine = ChatEngine(load_model(serving_adapter), serving_tokenizer, serving_template, cache_budget_bytes=1)
     with serving_in_thread(build_app(engine, NAME)) as url:
-        small = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
-        turns = [STORIES[3], FOLLOW_UPS[0]]
-        results = server_chat(small, turns)
-    assert [cached for _, cached in results] == [0, 0]
-    messages = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": results[0][0]},
-                {"role": "user", "content": turns[1]}]
-    assert results[1][0] == full_prefill_answer(reference_model, tokenizer, template, messages)
-
-
-def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client):
-    url, engine = server
-    good = {"model": NAME, "messages": [{"role": "user", "content": "Ask: hi?"}], "max_tokens": 2}
-    cases = [
-        (b"{not json", 400),
-        (b"[1, 2]", 400),
-        (json.dumps({**good, "model": "gpt-4o"}).encode(), 404),
-        (json.dumps({**good, "messages": []}).encode(), 400),
-        (json.dumps({**good, "n": 2}).encode(), 400),
-        (json.dumps({**good, "tools": [{"type": "function"}]}).encode(), 400),
-        (json.dumps({**good, "temperature": 3}).encode(), 400),
-        (json.dumps({**good, "max_tokens": 0}).encode(), 400),
-        (json.dumps({**good, "stop": ["a", "b", "c", "d", "e"]}).encode(), 400),
-        (json.dumps({**good, "messages": [{"role": "robot", "content": "x"}]}).encode(), 400),
-        (json.dumps({**good, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(), 400),
-        (json.dumps({**good, "messages": [{"role": "user", "content": "a b c " * 200}]}).encode(), 400),
-        (json.dumps({**good, "max_tokens": engine.max_positions}).encode(), 400),
-    ]
-    for body, status in cases:
-        code, answer = post_raw(url, body)
-        assert code == status, (body[:80], answer)
-        assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"]
-    assert post_raw(url, b"{}", path="/v1/nothing-here")[0] == 404
-    with pytest.raises(openai.BadRequestError, match="context length") as error:
-        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x " * 300}], max_tokens=2)
-    assert error.value.code == "context_length_exceeded"
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="other", messages=good["messages"], max_tokens=2)
-    assert client.chat.completions.create(**good).choices[0].message.content is not None
-    assert [model.id for model in client.models.list()] == [NAME]
-    assert get_json(url, "/health")["status"] == "ok"
+        results = converse(client_of(url), [STORIES[3], FOLLOW_UPS[0]])
+    assert [cached for _, _, cached in results] == [0, 0]
+    assert [answer for answer, _, _ in results] == expected_conversation(full_prefill, [STORIES[3], FOLLOW_UPS[0]])
 
 
 def leave_stream(url, body, wait_for_content: bool) -> None:
@@ -293,11 +230,11 @@ def wait_for_cancelled_streams(url, count: int) -> dict:
     return health
 
 
-def test_a_client_that_leaves_a_stream_frees_its_work(adapter_dir, tokenizer, template):
-    model = load_model(adapter_dir)
+def test_a_client_that_leaves_a_stream_frees_its_work(serving_adapter, serving_tokenizer, serving_template):
+    model = load_model(serving_adapter)
     model.generation_config.eos_token_id = None  # answers always run to max_tokens, unless stopped
-    engine = ChatEngine(model, tokenizer, template, cache_budget_bytes=64 * 2**20)
-    messages = [{"role": "user", "content": STORIES[4]}]
+    engine = ChatEngine(model, serving_tokenizer, serving_template, cache_budget_bytes=64 * 2**20)
+    messages = [user(STORIES[4])]
     body = {"model": NAME, "messages": messages, "max_tokens": 150, "temperature": 0, "stream": True}
     with serving_in_thread(build_app(engine, NAME)) as url:
         release = threading.Event()
@@ -309,8 +246,7 @@ def test_a_client_that_leaves_a_stream_frees_its_work(adapter_dir, tokenizer, te
         busy.result(timeout=REQUEST_TIMEOUT_S)
         leave_stream(url, body, wait_for_content=True)  # this time the client leaves while the answer is generated
         assert wait_for_cancelled_streams(url, 2)["cancelled_streams"] == 2
-        left = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
-        after = left.chat.completions.create(model=NAME, messages=messages, max_tokens=3, temperature=0)
+        after = client_of(url).chat.completions.create(model=NAME, messages=messages, max_tokens=3, temperature=0)
         assert after.choices[0].finish_reason == "length" and after.usage.completion_tokens == 3
         # Only this last conversation is kept: the queued request never ran, and the other one was aborted (a
         # finished answer would have been kept).
@@ -318,7 +254,7 @@ def test_a_client_that_leaves_a_stream_frees_its_work(adapter_dir, tokenizer, te
 
 
 def test_seeded_sampling_repeats_and_max_completion_tokens_bounds_the_answer(client):
-    messages = [{"role": "user", "content": STORIES[5]}]
+    messages = [user(STORIES[5])]
     settings = dict(model=NAME, messages=messages, max_completion_tokens=5, temperature=1.5, top_p=0.95, seed=11)
     first, second = (client.chat.completions.create(**settings) for _ in range(2))
     assert first.choices[0].message.content == second.choices[0].message.content
@@ -326,33 +262,6 @@ def test_seeded_sampling_repeats_and_max_completion_tokens_bounds_the_answer(cli
     others = {client.chat.completions.create(**{**settings, "seed": seed}).choices[0].message.content
               for seed in range(12, 16)}
     assert len(others | {first.choices[0].message.content}) > 1  # the seed matters: this really samples
-
-
-def test_the_command_refuses_to_start_without_a_chat_template(adapter_dir):
-    from peft_bitune.serving import cli
-
-    with pytest.raises(SystemExit, match="--chat-template"):
-        cli.main(["--model", BASE, "--adapter", adapter_dir, "--port", "0"])
-
-
-@pytest.mark.slow  # a fresh Python process imports torch, transformers and FastAPI: about half a minute on 2 cores
-def test_the_command_serves_the_adapter(adapter_dir):
-    command = [sys.executable, "-m", "peft_bitune.serving.cli", "--model", BASE, "--adapter", adapter_dir,
-               "--chat-template", TEMPLATE_FILE, "--port", "0", "--served-model-name", NAME]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    try:
-        line = process.stdout.readline()
-        assert "serving" in line, line
-        url = line.split(" on ")[-1].strip()
-        assert url.startswith("http://127.0.0.1:")
-        cli_client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
-        response = cli_client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": STORIES[0]}],
-                                                      max_tokens=2, temperature=0)
-        assert response.usage.completion_tokens <= 2
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def test_stop_strings_are_cut_the_same_whole_or_streamed():
@@ -365,25 +274,112 @@ def test_stop_strings_are_cut_the_same_whole_or_streamed():
     assert "".join(stream.feed(piece) for piece in ["Answ", "er", "?"]) + stream.flush() == "Answer?"
 
 
-def fake_conversation(text: str, tokens: int) -> KeptConversation:
+def test_the_turns_are_found_from_the_template_as_trl_finds_the_assistant_spans(serving_tokenizer, serving_template):
+    """Without markers, by rendering up to each answer; with TRL's `{% generation %}` markers, by transformers'
+    assistant mask: the same layout. An answer is what the assistant wrote and the EOS token after it."""
+    tokenizer = serving_tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, user("hi"), assistant("a cat"), user("ok"), user("so?"),
+                assistant(""), user("end")]
+    plain = PromptBuilder(tokenizer, serving_template, "alternating", [tokenizer.eos_token]).build(messages)
+    marked = PromptBuilder(tokenizer, MARKED_TEMPLATE, "alternating", [tokenizer.eos_token]).build(messages)
+    assert plain == marked
+    trl = tokenizer.apply_chat_template(messages, chat_template=MARKED_TEMPLATE, add_generation_prompt=True,
+                                        tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert plain.token_ids == list(trl["input_ids"])
+    assert plain.answer_mask() == [bool(m) for m in trl["assistant_masks"]]
+    answers = [tokenizer.decode(plain.token_ids[start:end]) for start, end, is_answer in plain.segments() if is_answer]
+    assert answers == ["a cat</s>", "</s>"] and len(plain.segment_ends) == 5
+    history = PromptBuilder(tokenizer, serving_template, "history", [tokenizer.eos_token]).build(messages)
+    assert (history.token_ids, history.segment_ends) == (plain.token_ids, (len(plain),))
+    # A template whose rendering of a message depends on what follows it hides the answers: refused, with the fix.
+    counting = serving_template.replace("{{ bos_token }}", "{{ bos_token }}{{ messages | length }} messages\n")
+    with pytest.raises(PromptLayoutError, match="generation %"):
+        PromptBuilder(tokenizer, counting, "alternating", [tokenizer.eos_token]).check()
+    PromptBuilder(tokenizer, counting, "history", [tokenizer.eos_token]).check()  # one instruction: no answers to find
+
+
+def fake_kept(token_ids: list[int], segment_ends: tuple[int, ...], partition=None) -> KeptConversation:
+    """A kept conversation whose cache holds all but its last token (zeros: 4 bytes x 2 x 2 per position)."""
     cache = BituneCache()
-    cache.update(torch.zeros(1, 1, tokens - 1, 2), torch.zeros(1, 1, tokens - 1, 2), 0)
-    cache.record_conversation(torch.arange(tokens)[None], torch.ones(1, tokens, dtype=torch.long))
-    return KeptConversation(text, list(range(tokens)), cache)
+    held = len(token_ids) - 1
+    cache.update(torch.zeros(1, 1, held, 2), torch.zeros(1, 1, held, 2), 0)
+    cache.record_conversation(torch.tensor([token_ids]), torch.ones(1, len(token_ids), dtype=torch.long))
+    return KeptConversation(Prompt(token_ids, segment_ends), cache, partition)
 
 
-def test_the_store_continues_only_exact_extensions_and_drops_the_least_recent():
-    one = fake_conversation("<u>a</s>", 5)  # 4 positions x 2 x 2 floats = 64 bytes
+def test_only_what_a_full_prefill_would_compute_is_reused():
+    kept = Prompt([1, 2, 3, 4, 5], (3, 5))  # instruction 1 2 3, answer 4 5
+    cases = {
+        "the next turn": (Prompt([1, 2, 3, 4, 5, 6, 7], (3, 5, 7)), 5),
+        "a retry": (Prompt([1, 2, 3], (3,)), 3),
+        "a changed answer": (Prompt([1, 2, 3, 4, 9, 6], (3, 5, 6)), 4),
+        "a shortened answer": (Prompt([1, 2, 3, 4, 6, 7], (3, 4, 6)), 4),
+        "a longer answer": (Prompt([1, 2, 3, 4, 5, 8, 6], (3, 6, 7)), 5),
+        "the instruction's last token changed": (Prompt([1, 2, 9, 4, 5, 6], (3, 5, 6)), 2),
+        "a longer instruction": (Prompt([1, 2, 3, 4, 5, 6], (4, 5, 6)), 0),
+        "the same tokens read as one instruction": (Prompt([1, 2, 3, 4, 5, 6], (6,)), 0),
+        "another first token": (Prompt([7, 2, 3, 4, 5, 6], (3, 5, 6)), 0),
+    }
+    assert {name: reusable_prefix(kept, request) for name, (request, _) in cases.items()} == {
+        name: expected for name, (_, expected) in cases.items()
+    }
+    # At most what the cache holds (all but the generated last token), and all of a prompt but its last token.
+    conversation = fake_kept([1, 2, 3, 4, 5], (3, 5))
+    assert conversation.reusable_length(cases["the next turn"][0]) == 4
+    assert conversation.reusable_length(cases["a retry"][0]) == 2
+
+
+def test_the_store_reuses_within_a_partition_and_drops_the_least_recent():
+    one = fake_kept([1, 2, 3, 4, 5], (3, 5))  # 4 positions x 2 x 2 floats = 64 bytes
     store = ConversationStore(max_bytes=2 * one.nbytes)
     store.keep(one)
-    store.keep(fake_conversation("<u>b</s>", 5))
-    assert store.take("<u>c</s><u>d") is None  # another history
-    assert store.take("<u>a</s>") is None  # no new text
-    assert store.keep(fake_conversation("<u>c</s>", 5))  # the budget drops the least recently kept, "<u>a"
-    assert store.take("<u>a</s><u>x") is None
-    assert store.take("<u>b</s><u>x").text == "<u>b</s>"
-    assert store.take("<u>b</s><u>x") is None  # taken: the request that continues it owns the cache
-    assert not store.keep(fake_conversation("<u>long</s>", 20))  # larger than the whole budget: not kept
+    store.keep(fake_kept([6, 2, 3, 4, 5], (3, 5), partition="someone else"))
+    next_turn = Prompt([1, 2, 3, 4, 5, 8, 9], (3, 5, 7))
+    assert store.take("nobody", next_turn) == (None, 0)
+    assert store.take(None, Prompt([9, 9, 9], (3,))) == (None, 0)  # shares nothing
+    assert store.keep(fake_kept([7, 2, 3, 4, 5], (3, 5)))  # the budget drops the least recently kept: `one`
+    assert store.take(None, next_turn) == (None, 0)
+    kept, length = store.take("someone else", Prompt([6, 2, 3, 4, 5, 8], (3, 5, 6)))
+    assert (kept.prompt.token_ids, length) == ([6, 2, 3, 4, 5], 4)
+    assert store.take("someone else", Prompt([6, 2, 3, 4, 5, 8], (3, 5, 6))) == (None, 0)  # taken: its request owns it
+    assert not store.keep(fake_kept(list(range(20)), (10, 20)))  # larger than the whole budget: not kept
     assert len(store) == 1 and store.nbytes == one.nbytes
     with pytest.raises(ValueError, match="stands for"):
-        KeptConversation("x", [1, 2], fake_conversation("x", 5).cache)
+        KeptConversation(Prompt([1, 2], (1, 2)), fake_kept([1, 2, 3, 4, 5], (3, 5)).cache)
+
+
+
+
+def test_the_stream_decodes_incrementally_exactly_as_the_whole_answer(serving_tokenizer):
+    tokenizer = serving_tokenizer
+    text = "héllo wörld 日本 </s>, done"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces = []
+    stream = TextStream(tokenizer, pieces.append)
+    stream.put(torch.tensor([[1, 2, 3]]))  # the prompt: not streamed
+    for token in ids:
+        stream.put(torch.tensor([token]))
+    stream.end()
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in piece for piece in pieces)  # a character split over tokens waits for its last byte
+    assert len(pieces) > 5  # piece by piece, not at the end
+
+
+def test_the_worker_runs_jobs_in_order_and_survives_their_errors():
+    from peft_bitune.serving.worker import ModelWorker
+
+    worker = ModelWorker()
+    release, order = threading.Event(), []
+    blocked = worker.submit(release.wait, REQUEST_TIMEOUT_S)
+    skipped = worker.submit(order.append, "cancelled")
+    failing = worker.submit(lambda: 1 / 0)
+    last = worker.submit(lambda: order.append("last") or "done")
+    assert skipped.cancel()  # still queued: it never runs
+    release.set()
+    assert blocked.result(REQUEST_TIMEOUT_S) is True
+    with pytest.raises(ZeroDivisionError):
+        failing.result(REQUEST_TIMEOUT_S)
+    assert last.result(REQUEST_TIMEOUT_S) == "done" and order == ["last"]
+    worker.close(REQUEST_TIMEOUT_S)
+    with pytest.raises(RuntimeError, match="stopped"):
+        worker.submit(print)

@@ -1,7 +1,12 @@
 """`bitune-serve`: an OpenAI-compatible chat server for Bitune adapters that keeps each conversation's mixed cache.
 
-The HTTP side (`app.py`, `server.py`, `cli.py`) needs the `serve` extra (`pip install 'peft-bitune[serve]'`: FastAPI,
-uvicorn, openai); `ChatEngine` and the kept conversations (`engine.py`, `conversations.py`) do not import them.
+- `prompts.py`: a request's conversation laid out as the adapter was trained to read it (turns from the chat template);
+- `conversations.py`: the kept conversations, and how much of one a request may reuse without changing its answer;
+- `engine.py`: reads a request (reusing what it may), generates, keeps the result; `worker.py`: its one model thread;
+- `streaming.py`: incremental text, stop strings, clients that leave;
+- `settings.py`: how the server guards itself (API keys, origins, the largest body);
+- `validation.py`, `app.py`, `server.py`, `cli.py`: the HTTP side, which needs the `serve` extra (`pip install
+  'peft-bitune[serve]'`: FastAPI, uvicorn, openai; jinja2 renders chat templates).
 """
 
 from .conversations import ConversationStore, KeptConversation

@@ -1,105 +1,93 @@
-"""The OpenAI-compatible HTTP API of `bitune-serve` (FastAPI), on top of transformers' own serving code.
+"""The OpenAI-compatible HTTP API of `bitune-serve` (FastAPI).
 
-Reused from `transformers serve` (transformers/cli/serving): the chat completion handler, subclassed, for the
-generation settings of a request (`max_tokens`, `temperature`, `top_p`, `stop`) and for building OpenAI's response
-objects and server-sent-event chunks; its streamer, which decodes tokens incrementally into an asyncio queue and aborts
-`generate` when the client leaves; its inference thread, our single model worker. Not reused: its model manager and
-request dispatch, which load models with `from_pretrained` (refused by a Bitune adapter) and always prefill the whole
-prompt (no conversation cache), and its error responses, which are not OpenAI's JSON error objects.
+Requests are checked here (`validation.py`) and answered with OpenAI's own response types (the `openai` package's
+`ChatCompletion`, and `ChatCompletionChunk` as server-sent events when streaming) or OpenAI's JSON error objects. The
+server guards itself (`ServerSettings`, as vLLM's server does and a little more): API keys on every `/v1` call, JSON
+bodies only and of bounded size (so that no web page a user visits can drive it with a plain form post), no CORS
+headers and no `/docs` unless asked for. Rendering and tokenizing run on a thread of their own, and the model on the
+engine's worker thread (`engine.py`), so the event loop stays free for other clients (and `/health`) while a long
+request is prepared or answered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import hmac
 import json
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
 from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from transformers.cli.serving.chat_completion import ChatCompletionHandler
-from transformers.cli.serving.utils import DirectStreamer, GenerationState, Modality
 
-from .engine import ChatEngine, ChatRequest, ChatResult, StopTextFilter
-
-# Request fields this server honours; anything else is refused rather than silently ignored.
-SUPPORTED_FIELDS = {
-    "model", "messages", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "n",
-    "user",
-}
-ROLES = {"system", "developer", "user", "assistant"}
-MAX_STOP_STRINGS = 4  # as OpenAI's API
-
-
-class OpenAIError(Exception):
-    """An error answered as OpenAI does: `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    @property
-    def type(self) -> str:
-        return "invalid_request_error" if self.status < 500 else "server_error"
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-class _CancellableStreamer(DirectStreamer):
-    """transformers' streamer, with the cancellation flag readable by a request still waiting in the queue."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-        super().cancel()
-
+from .engine import ChatEngine, ChatRequest, ChatResult
+from .prompts import PromptLayoutError
+from .settings import ServerSettings
+from .streaming import StopTextFilter, TextStream
+from .validation import (
+    SEED_RANGE,
+    OpenAIError,
+    check_fields,
+    check_messages,
+    check_stop,
+    optional_number,
+    optional_string,
+    parse_body,
+    text_messages,
+)
 
 _WORK_DONE = object()  # queued after the worker finished a streaming request, whatever happened
 
 
-class BituneChatCompletionHandler(ChatCompletionHandler):
+class ChatCompletions:
     """`POST /v1/chat/completions` over a `ChatEngine`: validation, then one job on the model worker."""
 
     def __init__(self, engine: ChatEngine, model_name: str) -> None:
-        super().__init__(model_manager=None, generation_state=GenerationState())
         self.engine = engine
         self.model_name = model_name
         self.cancelled_streams = 0  # streams whose client left before the answer was complete
+        # Requests are rendered and tokenized here, one at a time, never on the event loop.
+        self._preparing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitune-prepare")
 
-    async def handle_request(self, body: dict, request_id: str) -> JSONResponse | StreamingResponse:
-        request = self.chat_request(body)
+    async def handle_request(
+        self, body: dict, request_id: str, api_key: int | None = None
+    ) -> JSONResponse | StreamingResponse:
+        loop = asyncio.get_running_loop()
+        request = await loop.run_in_executor(self._preparing, self.chat_request, body, api_key)
         if body.get("stream"):
             return self._stream(request, request_id)
         try:
             result = await self.engine.worker.async_submit(self.engine.run, request)
         except ValueError as error:  # a check of `generate` (e.g. positions): the request's fault
             raise OpenAIError(400, str(error)) from error
-        completion = self._build_completion(
-            request_id, result.content, self.model_name, finish_reason=result.finish_reason, usage=_usage(result)
+        completion = ChatCompletion(
+            id=request_id,
+            created=int(time.time()),
+            object="chat.completion",
+            model=self.model_name,
+            choices=[Choice(index=0, finish_reason=result.finish_reason,
+                            message=ChatCompletionMessage(role="assistant", content=result.content))],
+            usage=_usage(result),
         )
-        return JSONResponse(completion)
+        return JSONResponse(completion.model_dump(exclude_none=True))
 
-    def chat_request(self, body: dict) -> ChatRequest:
-        """Check a request body and render its conversation; raises `OpenAIError` for anything wrong."""
-        unsupported = sorted(set(body) - SUPPORTED_FIELDS)
-        if unsupported:
-            raise OpenAIError(
-                400, f"Unsupported request fields {unsupported}; bitune-serve supports {sorted(SUPPORTED_FIELDS)}.",
-                param=unsupported[0],
-            )
+    def chat_request(self, body: dict, api_key: int | None = None) -> ChatRequest:
+        """Check a request body and lay out its conversation; raises `OpenAIError` for anything wrong. The request
+        may reuse the conversations kept for the same API key, `user` and `prompt_cache_key` only."""
+        check_fields(body)
         model = body.get("model")
         if model != self.model_name:
             raise OpenAIError(
@@ -110,101 +98,130 @@ class BituneChatCompletionHandler(ChatCompletionHandler):
             raise OpenAIError(400, f"`n` must be 1 (one answer per request), got {body['n']!r}.", "n")
         if body.get("stream") not in (None, True, False):
             raise OpenAIError(400, f"`stream` must be true or false, got {body['stream']!r}.", "stream")
-        messages = _check_messages(body.get("messages"))
-        max_completion_tokens = _optional_number(body, "max_completion_tokens", int, 1)
-        max_tokens = _optional_number(body, "max_tokens", int, 1)
+        messages = check_messages(body.get("messages"))
+        max_completion_tokens = optional_number(body, "max_completion_tokens", int, 1)
+        max_tokens = optional_number(body, "max_tokens", int, 1)
         if max_completion_tokens is not None:
             max_tokens = max_completion_tokens  # OpenAI's newer name wins, as in transformers serve
-        temperature = _optional_number(body, "temperature", float, 0.0, 2.0)
-        top_p = _optional_number(body, "top_p", float, 0.0, 1.0)
+        temperature = optional_number(body, "temperature", float, 0.0, 2.0)
+        top_p = optional_number(body, "top_p", float, 0.0, 1.0)
         if top_p == 0.0:
             raise OpenAIError(400, "`top_p` must be above 0.", "top_p")
-        seed = _optional_number(body, "seed", int)
-        stop = _check_stop(body.get("stop"))
+        seed = optional_number(body, "seed", int, *SEED_RANGE)
+        stop = check_stop(body.get("stop"))
+        partition = (api_key, optional_string(body, "user"), optional_string(body, "prompt_cache_key"))
         try:
-            prompt_text = self.engine.render(self.get_processor_inputs_from_messages(messages, Modality.LLM))
+            prompt = self.engine.prompts.build(text_messages(messages))
         except TemplateError as error:
             raise OpenAIError(400, f"The chat template refused the messages: {error}", "messages") from error
-        prompt_ids = self.engine.tokenize(prompt_text)
-        if not self.engine.room_for(len(prompt_ids), max_tokens):
+        except PromptLayoutError as error:
+            raise OpenAIError(400, str(error), "messages") from error
+        if not self.engine.room_for(len(prompt), max_tokens):
             raise OpenAIError(
                 400,
                 f"This model's maximum context length is {self.engine.max_positions} tokens; the messages take "
-                f"{len(prompt_ids)} tokens and {max_tokens or 1} more are asked for. Shorten the conversation or "
+                f"{len(prompt)} tokens and {max_tokens or 1} more are asked for. Shorten the conversation or "
                 "lower `max_tokens` (nothing is truncated silently).",
                 "messages", "context_length_exceeded",
             )
         # Seeded on the worker, right before this request runs: seeding here would reseed whatever runs meanwhile.
-        settings = {key: value for key, value in body.items() if key in ("temperature", "top_p", "stop")}
-        generation_config = self._build_generation_config(settings, self.engine.model.generation_config)
+        generation_config = self._generation_config(temperature, top_p, stop)
+        return ChatRequest(prompt, generation_config, max_tokens, stop, seed, partition)
+
+    def _generation_config(self, temperature: float | None, top_p: float | None, stop: list[str]) -> Any:
+        """The model's generation config with the request's settings: greedy at temperature 0, sampling at any
+        other temperature or `top_p` (as OpenAI does), the model's own choice when neither is given."""
+        generation_config = copy.deepcopy(self.engine.model.generation_config)
+        if stop:
+            generation_config.stop_strings = stop
         if temperature == 0.0:
             generation_config.do_sample = False
-            # greedy: no sampling settings to warn about
-            generation_config.temperature = generation_config.top_p = None
+            generation_config.temperature = generation_config.top_p = None  # greedy: no sampling settings to warn of
         elif temperature is not None or top_p is not None:
-            generation_config.do_sample = True  # OpenAI samples at any positive temperature
+            generation_config.do_sample = True
+            if temperature is not None:
+                generation_config.temperature = temperature
+            if top_p is not None:
+                generation_config.top_p = top_p
         if generation_config.pad_token_id is None:
             generation_config.pad_token_id = self.engine.tokenizer.pad_token_id or generation_config.eos_token_id
-        return ChatRequest(prompt_text, prompt_ids, generation_config, max_tokens, stop, seed)
+        return generation_config
 
     def _stream(self, request: ChatRequest, request_id: str) -> StreamingResponse:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        streamer = _CancellableStreamer(self.engine.tokenizer.backend_tokenizer, loop, queue)
+        cancelled = threading.Event()
+        stream = TextStream(self.engine.tokenizer, lambda text: loop.call_soon_threadsafe(queue.put_nowait, text))
 
         def work() -> ChatResult | None:
             try:
-                return self.engine.run(request, streamer, streamer.cancelled)
+                return self.engine.run(request, stream, cancelled)
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, _WORK_DONE)
 
         job = self.engine.worker.async_submit(work)
         job.add_done_callback(lambda future: future.cancelled() or future.exception())  # read even if nobody awaits
+        created = int(time.time())
+
+        def chunk(delta: ChoiceDelta, finish_reason: str | None = None, usage: CompletionUsage | None = None) -> str:
+            event = ChatCompletionChunk(
+                id=request_id, created=created, model=self.model_name, object="chat.completion.chunk",
+                choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish_reason)], usage=usage,
+            )
+            return f"data: {event.model_dump_json(exclude_none=True)}\n\n"
 
         async def events():
             text, sent = StopTextFilter(request.stop), ""
             try:
-                yield self._build_chunk_sse(request_id, role="assistant", model=self.model_name)
+                yield chunk(ChoiceDelta(role="assistant"))
                 while (item := await queue.get()) is not _WORK_DONE:
-                    if isinstance(item, str) and (piece := text.feed(item)):
+                    if piece := text.feed(item):
                         sent += piece
-                        yield self._build_chunk_sse(request_id, content=piece, model=self.model_name)
+                        yield chunk(ChoiceDelta(content=piece))
                 try:
                     result = await job
                 except ValueError as error:
-                    yield self.chunk_to_sse(json.dumps(OpenAIError(400, str(error)).body()))
+                    yield _error_event(OpenAIError(400, str(error)))
                     return
                 except Exception as error:  # the stream has started: report it in the stream, keep serving
-                    yield self.chunk_to_sse(json.dumps(OpenAIError(500, f"Generation failed: {error}").body()))
+                    yield _error_event(OpenAIError(500, f"Generation failed: {error}"))
                     return
                 # What the stream held back: a possible stop string's start, and bytes the incremental decoder never
                 # completed (e.g. a character cut by max_tokens), which the whole answer's decode writes as U+FFFD.
                 piece = result.content[len(sent) :] if result.content.startswith(sent) else text.flush()
                 if piece:
-                    yield self._build_chunk_sse(request_id, content=piece, model=self.model_name)
-                yield self._build_chunk_sse(
-                    request_id, finish_reason=result.finish_reason, model=self.model_name, usage=_usage(result)
-                )
+                    yield chunk(ChoiceDelta(content=piece))
+                yield chunk(ChoiceDelta(), finish_reason=result.finish_reason, usage=_usage(result))
                 yield "data: [DONE]\n\n"
             except (GeneratorExit, asyncio.CancelledError):
                 if not job.done():
                     self.cancelled_streams += 1
-                streamer.cancel()  # the client left: stop generating (or never start)
+                cancelled.set()  # the client left: stop generating (or never start)
                 raise
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    def close(self) -> None:
+        self._preparing.shutdown(wait=False, cancel_futures=True)
 
-def build_app(engine: ChatEngine, model_name: str) -> FastAPI:
+
+def build_app(engine: ChatEngine, model_name: str, settings: ServerSettings | None = None) -> FastAPI:
     """The FastAPI application: `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`."""
-    handler = BituneChatCompletionHandler(engine, model_name)
+    settings = settings or ServerSettings()
+    handler = ChatCompletions(engine, model_name)
     created = int(time.time())
-    app = FastAPI(title="bitune-serve")
+    app = FastAPI(title="bitune-serve", docs_url="/docs" if settings.docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if settings.docs else None)
     app.state.handler = handler
+    app.state.settings = settings
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, error: OpenAIError) -> JSONResponse:
-        return error.response()
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+        return error.response(headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -218,21 +235,33 @@ def build_app(engine: ChatEngine, model_name: str) -> FastAPI:
     async def server_error(_request: Request, error: Exception) -> JSONResponse:
         return OpenAIError(500, f"Internal error: {type(error).__name__}: {error}").response()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise OpenAIError(400, f"The request body is not valid JSON: {error}.") from error
-        if not isinstance(body, dict):
-            raise OpenAIError(400, f"The request body must be a JSON object, got {type(body).__name__}.")
-        return await handler.handle_request(body, f"chatcmpl-{uuid.uuid4().hex}")
+    def authorized_key(request: Request) -> int | None:
+        """The index of the API key the request carries (None when the server has no keys); 401 otherwise."""
+        if not settings.api_keys:
+            return None
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        given_bytes = given.strip().encode("utf-8", "surrogateescape")
+        matches = [hmac.compare_digest(key.encode("utf-8"), given_bytes) for key in settings.api_keys]  # all compared
+        if scheme.lower() != "bearer" or not any(matches):
+            raise OpenAIError(
+                401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with a key this server was "
+                "started with (--api-key or BITUNE_SERVE_API_KEY).", code="invalid_api_key",
+            )
+        return matches.index(True)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request, api_key: int | None = Depends(authorized_key)) -> Any:
+        body = parse_body(await _read_json_body(request, settings.max_request_bytes))
+        return await handler.handle_request(body, f"chatcmpl-{uuid.uuid4().hex}", api_key)
+
+    @v1.get("/models")
+    async def models(_api_key: int | None = Depends(authorized_key)) -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "peft-bitune"}]}
+
+    app.include_router(v1)
 
     @app.get("/health")
     async def health() -> dict:
@@ -243,6 +272,36 @@ def build_app(engine: ChatEngine, model_name: str) -> FastAPI:
     return app
 
 
+async def _read_json_body(request: Request, max_bytes: int) -> bytes:
+    """The body of a JSON request, refused (415) unless it says it is JSON, and (413) as soon as it is known to be
+    larger than `max_bytes`: from its Content-Length, or while it arrives."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise OpenAIError(
+            415, f"Request bodies must be JSON, sent with `Content-Type: application/json` (got "
+            f"{media_type or 'none'!r}).",
+        )
+    too_large = OpenAIError(
+        413, f"The request body is larger than this server's limit of {max_bytes} bytes (--max-request-bytes).",
+        code="request_too_large",
+    )
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error_event(error: OpenAIError) -> str:
+    """An error inside a stream that has started (its status line was sent): OpenAI's error object as an event."""
+    return f"data: {json.dumps(error.body())}\n\n"
+
+
 def _usage(result: ChatResult) -> CompletionUsage:
     completion_tokens = len(result.answer_ids)
     return CompletionUsage(
@@ -251,49 +310,3 @@ def _usage(result: ChatResult) -> CompletionUsage:
         total_tokens=result.prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens),
     )
-
-
-def _check_messages(messages: Any) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError(400, "`messages` must be a non-empty list of {role, content} objects.", "messages")
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict) or set(message) - {"role", "content"} or "role" not in message:
-            raise OpenAIError(
-                400, f"`{where}` must be an object with `role` and `content` only, got {message!r}.", where
-            )
-        if message["role"] not in ROLES:
-            raise OpenAIError(400, f"`{where}.role` must be one of {sorted(ROLES)}, got {message['role']!r}.", where)
-        content = message.get("content")
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        if not isinstance(parts, list) or not all(
-            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            for part in parts
-        ):
-            raise OpenAIError(
-                400, f"`{where}.content` must be a string or a list of text parts (this model reads text only).", where
-            )
-    return messages
-
-
-def _optional_number(body: dict, name: str, kind: type, low: float | None = None, high: float | None = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise OpenAIError(400, f"`{name}` must be a{'n integer' if kind is int else ' number'}, got {value!r}.", name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
-        raise OpenAIError(400, f"`{name}` must be {bounds}, got {value!r}.", name)
-    return kind(value)
-
-
-def _check_stop(stop: Any) -> list[str]:
-    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    well_formed = isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)
-    if not well_formed or len(stops) > MAX_STOP_STRINGS:
-        raise OpenAIError(
-            400, f"`stop` must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them, got {stop!r}.",
-            "stop",
-        )
-    return stops

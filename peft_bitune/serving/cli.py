@@ -1,21 +1,30 @@
 """`bitune-serve`: an OpenAI-compatible chat server for a Bitune adapter.
 
     bitune-serve --model BASE --adapter ADAPTER [--chat-template FILE] [--host 127.0.0.1] [--port 8000]
+                 [--api-key KEY] [--allowed-origins ORIGIN ...] [--max-request-bytes N] [--docs]
 
 `transformers serve` cannot load a Bitune adapter (it loads models with `from_pretrained`), and vLLM, TGI and llama.cpp
 cannot prefill a prompt twice with two weight sets; see docs/serving.md.
+
+Everything that can be wrong at startup is checked before the model's weights are read, cheapest first (the device,
+the port, the adapter's config, the chat template), and refused with one line that says what to do.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import socket
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ..common import is_bitune_type, peft_type_name
+from .settings import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
 
 DEFAULT_CACHE_MEMORY_MB = 1024
+API_KEY_VARIABLE = "BITUNE_SERVE_API_KEY"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -32,6 +41,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="The model name clients send in `model` (default: the --adapter value).")
     parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: this machine only).")
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on; 0 picks a free one.")
+    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help=f"Require `Authorization: Bearer KEY` on every /v1 call; give it again for more keys "
+                        f"(each keeps its own conversations). Default: the {API_KEY_VARIABLE} environment variable.")
+    parser.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                        help="Web origins (e.g. https://app.example.com) allowed to call the server from a browser "
+                        "(CORS). Default: none.")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="The largest request body accepted (default: 4 MiB); larger ones get 413 unread.")
+    parser.add_argument("--docs", action="store_true", help="Serve the interactive API docs at /docs.")
     parser.add_argument("--cache-memory-mb", type=float, default=DEFAULT_CACHE_MEMORY_MB,
                         help="Memory for kept conversation caches, least recently used dropped first; 0 keeps none.")
     parser.add_argument("--device", default="cpu", help="torch device for the model, e.g. cpu, cuda, cuda:1.")
@@ -43,13 +61,45 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--port must be between 0 and 65535, got {args.port}.")
     if args.cache_memory_mb < 0:
         parser.error(f"--cache-memory-mb must be 0 or more, got {args.cache_memory_mb}.")
+    if args.max_request_bytes < 1:
+        parser.error(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}.")
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         parser.error(f"--chat-template {args.chat_template!r} is not a file.")
+    if args.api_key is None:
+        args.api_key = [os.environ[API_KEY_VARIABLE]] if os.environ.get(API_KEY_VARIABLE) else []
+    if any(not key.strip() for key in args.api_key):
+        parser.error("--api-key cannot be empty.")
     return args
 
 
-def load_engine(args: argparse.Namespace):
-    """The tokenizer and chat template first (refused before any weights are read), then the model and adapter."""
+def fail(message: str) -> SystemExit:
+    """The one line `bitune-serve` exits with."""
+    return SystemExit(f"bitune-serve: {' '.join(message.split())}")
+
+
+def check_device(name: str) -> None:
+    """Refuse a device torch cannot use here, before any weights are read."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise fail(f"--device {name!r} is not a torch device ({error}); use e.g. cpu, cuda or cuda:1.") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a build without CUDA"
+            raise fail(f"--device {name}, but CUDA is not available here (torch {torch.__version__}, {build}, no GPU "
+                       "visible). Use --device cpu, or install a CUDA build of torch on a machine with a GPU.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise fail(f"--device {name}, but only {torch.cuda.device_count()} CUDA device(s) are visible; use "
+                       f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise fail(f"--device {name}, but MPS is not available here. Use --device cpu.")
+
+
+def load_engine(args: argparse.Namespace) -> Any:
+    """The tokenizer, adapter config and chat template first (all checked before any weights are read), then the
+    model and adapter."""
     import torch
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -59,44 +109,103 @@ def load_engine(args: argparse.Namespace):
     from .engine import ChatEngine
 
     try:
+        config = PeftConfig.from_pretrained(args.adapter)
+    except (OSError, ValueError) as error:
+        raise fail(f"cannot read the adapter {args.adapter!r}: {error}. Pass a folder saved with `save_pretrained` "
+                   "(it holds adapter_config.json) or a Hub id of one.") from None
+    if not is_bitune_type(config.peft_type):
+        raise fail(f"{args.adapter!r} is a {peft_type_name(config.peft_type)} adapter, not a Bitune one; serve it "
+                   "with vLLM or `transformers serve`.")
+    try:
         tokenizer = AutoTokenizer.from_pretrained(args.adapter)
     except (OSError, ValueError):
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+        except (OSError, ValueError) as error:
+            raise fail(f"cannot load a tokenizer from the adapter {args.adapter!r} or the base model {args.model!r}: "
+                       f"{error}.") from None
     chat_template = None
     if args.chat_template is not None:
         with open(args.chat_template, encoding="utf-8") as file:
             chat_template = file.read()
     if chat_template is None and not tokenizer.chat_template:
-        raise SystemExit(
-            f"bitune-serve: the tokenizer of {args.adapter!r} has no chat template, so conversations cannot be "
-            "rendered. Pass one with `--chat-template <file>` (a Jinja template, e.g. the one your adapter was "
-            "trained with)."
-        )
-    peft_type = PeftConfig.from_pretrained(args.adapter).peft_type
-    if not is_bitune_type(peft_type):
-        raise SystemExit(
-            f"bitune-serve: {args.adapter!r} is a {peft_type_name(peft_type)} adapter, not a Bitune one; serve it "
-            "with vLLM or `transformers serve`."
-        )
+        raise fail(f"the tokenizer of {args.adapter!r} has no chat template, so conversations cannot be rendered. "
+                   "Pass one with `--chat-template <file>` (a Jinja template, e.g. the one your adapter was trained "
+                   "with).")
+    check_chat_template(tokenizer, chat_template, config.multi_turn, args.chat_template)
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device)
-    model = PeftModel.from_pretrained(base, args.adapter)
+    try:
+        base = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    except (OSError, ValueError) as error:
+        raise fail(f"cannot load the base model {args.model!r}: {error}.") from None
+    try:
+        model = PeftModel.from_pretrained(base.to(args.device), args.adapter)
+    except Exception as error:  # safetensors, PEFT and our own checks: all a file the user must fix
+        raise fail(f"cannot load the adapter weights of {args.adapter!r}: {type(error).__name__}: {error}. If the "
+                   "file is truncated or corrupt, save (or download) the adapter again.") from None
     return ChatEngine(model.eval(), tokenizer, chat_template, int(args.cache_memory_mb * 2**20))
+
+
+def check_chat_template(tokenizer: Any, chat_template: str | None, multi_turn: str, path: str | None) -> None:
+    """Compile and render the template once on a plain conversation (and, for an alternating adapter, find its
+    answers), so that a broken template stops the server now rather than failing every request."""
+    from jinja2 import TemplateError
+
+    from .prompts import PromptBuilder, PromptLayoutError
+
+    where = f"--chat-template {path!r}" if path else "the tokenizer's chat template"
+    try:
+        PromptBuilder(tokenizer, chat_template, multi_turn, [tokenizer.eos_token or ""]).check()
+    except TemplateError as error:
+        line = f" (line {error.lineno})" if getattr(error, "lineno", None) else ""
+        raise fail(f"{where} fails on a plain conversation: {type(error).__name__}: {str(error).rstrip('.')}{line}. "
+                   "Fix the template.") from None
+    except PromptLayoutError as error:
+        raise fail(f"{where} cannot be used with this adapter (multi_turn={multi_turn!r}): {error}") from None
+
+
+def bind_or_fail(host: str, port: int) -> socket.socket:
+    from .server import bind
+
+    try:
+        return bind(host, port)
+    except socket.gaierror as error:
+        raise fail(f"--host {host!r} is not an address of this machine ({error}); use e.g. 127.0.0.1 or 0.0.0.0.") \
+            from None
+    except OSError as error:
+        raise fail(f"cannot listen on {host}:{port}: {error.strerror or error}. Stop whatever uses that port, or "
+                   "pick another with --port (0 picks a free one).") from None
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         from .app import build_app
-        from .server import bind, serve, url_of
+        from .server import serve, url_of
     except ImportError as error:
-        raise SystemExit(
-            f"bitune-serve needs FastAPI, uvicorn and openai: `pip install 'peft-bitune[serve]'` ({error})."
-        )
-    engine = load_engine(args)
-    sock = bind(args.host, args.port)
-    print(f"bitune-serve: serving {args.served_model_name or args.adapter} on {url_of(sock)}", flush=True)
-    serve(build_app(engine, args.served_model_name or args.adapter), sock, args.log_level)
+        raise fail(f"bitune-serve needs FastAPI, uvicorn and openai: `pip install 'peft-bitune[serve]'` ({error}).")
+    check_device(args.device)
+    sock = bind_or_fail(args.host, args.port)  # before the model loads: a port in use is known in a second
+    try:
+        engine = load_engine(args)
+    except BaseException:
+        sock.close()
+        raise
+    if not args.api_key and not is_loopback(args.host):
+        print(f"bitune-serve: warning: listening on {args.host} without --api-key: anyone who can reach this port can "
+              "use the model. Set --api-key (or BITUNE_SERVE_API_KEY).", file=sys.stderr, flush=True)
+    settings = ServerSettings(api_keys=tuple(args.api_key), allowed_origins=tuple(args.allowed_origins),
+                              docs=args.docs, max_request_bytes=args.max_request_bytes)
+    name = args.served_model_name or args.adapter
+    print(f"bitune-serve: serving {name} on {url_of(sock)}", flush=True)
+    serve(build_app(engine, name, settings), sock, args.log_level)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,21 @@
-"""The kept conversations of a chat server: each one's mixed cache, keyed by exactly what that cache stands for.
+"""The kept conversations of a chat server: each one's mixed cache, and exactly what that cache stands for.
 
-A kept conversation remembers the rendered text of the conversation so far (the chat template's rendering of the
-earlier messages, plus the answer as generated, special tokens included) and the token ids the cache holds (the
-previous `generate` output sequence). A later request continues it only if its own rendered prompt starts with exactly
-that text; anything else (an edited or reordered history, a changed system message, an answer the client altered)
-gets a full prefill. The store never guesses and never continues a cache from a history it does not hold.
+A kept conversation remembers the conversation its cache was built from, laid out as the adapter reads it (a `Prompt`:
+the token ids of the request, then of the answer as generated, and where each instruction and answer is). A later
+request reuses the longest part of it whose keys and values are exactly those a full prefill of the request would
+compute, and computes only the rest:
+
+- an instruction segment's keys and values are those of the segment read twice and mixed, so they depend on the whole
+  segment: they are reused only where the request has the same segment (all tokens but the last, which is read
+  causally: a request that changes only that token reuses the rest);
+- an answer's keys and values are causal, so any prefix of an answer that the request shares is reused (a client
+  that strips the answer's trailing whitespace, an answer cut by a `stop` string or by `max_tokens`, a template that
+  writes an answer differently from how it was generated);
+- the segments before that point must be the same segments, instructions and answers alike.
+
+So reuse is invisible in the answers: a request gets the same answer whether its conversation came from the cache, a
+full prefill, a restarted server or a retry. Conversations are kept apart by a partition (the API key and the client's
+`user` and `prompt_cache_key`): a request never reuses, nor learns of, another partition's conversations.
 
 Kept caches are bounded by a memory budget in bytes; the least recently used are dropped first.
 """
@@ -13,9 +24,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from ..caches import BituneCache
+from .prompts import Prompt
 
 
 @dataclass
@@ -24,25 +37,62 @@ class KeptConversation:
     One conversation whose cache the server keeps.
 
     Args:
-        text (`str`): the rendered conversation the cache stands for (prompt text, then the answer as decoded with
-            its special tokens).
-        token_ids (`list[int]`): the token ids of that conversation as `generate` saw and produced them (the output
-            sequence); the cache holds all of them but the last generated one, which the next turn feeds first.
+        prompt (`Prompt`): the conversation the cache stands for, laid out as the adapter reads it: the request's
+            prompt, then the answer as generated (its last token is the one the cache does not hold yet).
         cache (`BituneCache`): the conversation's mixed cache.
+        partition (`Hashable`): who may reuse it (see the module docstring).
     """
 
-    text: str
-    token_ids: list[int]
+    prompt: Prompt
     cache: BituneCache
+    partition: Hashable = None
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.cache.conversation_length != len(self.token_ids):
+        if self.cache.conversation_length != len(self.prompt):
             raise ValueError(
-                f"The cache stands for {self.cache.conversation_length} tokens but `token_ids` has "
-                f"{len(self.token_ids)}."
+                f"The cache stands for {self.cache.conversation_length} tokens but the prompt has {len(self.prompt)}."
             )
         self.nbytes = cache_nbytes(self.cache)
+
+    def reusable_length(self, prompt: Prompt) -> int:
+        """How many leading tokens of `prompt` this cache holds exactly as a full prefill of `prompt` would compute
+        them (at most all but the prompt's last token, which `generate` must read)."""
+        cache_length = self.cache.get_seq_length()
+        length = min(reusable_prefix(self.prompt, prompt), cache_length, len(prompt) - 1)
+        if length < cache_length and any(self.cache.is_sliding):
+            return 0  # cropping: a sliding-window layer has dropped what it would need
+        return length
+
+
+def reusable_prefix(kept: Prompt, request: Prompt) -> int:
+    """The longest prefix of `request` laid out as in `kept` whose keys and values are those of `kept` (see the module
+    docstring): whole equal segments, then the prefill part of an instruction segment equal in `kept` (all its tokens
+    but the last), or a shared part of an answer."""
+    shared = common_prefix_length(kept.token_ids, request.token_ids)
+    for (start, end, is_answer), (_, kept_end, _) in zip(request.segments(), kept.segments()):
+        if end == kept_end and end <= shared:
+            continue  # the same segment
+        if is_answer:
+            return min(shared, end, kept_end)
+        if end == kept_end and shared == end - 1:
+            return end - 1  # the same instruction but its last token, which is read causally
+        return start
+    return min(shared, len(kept), len(request))
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two lists (slice comparisons in a binary search: C speed)."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:  # a[:low] == b[:low] and a[:high] != b[:high]
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def cache_nbytes(cache: BituneCache) -> int:
@@ -59,9 +109,9 @@ class ConversationStore:
     """
     Kept conversations under a memory budget, least recently used dropped first.
 
-    `take` hands a kept conversation over to the request that continues it (it leaves the store: `generate` extends
-    the cache in place, and the result is kept again as a new, longer conversation). A conversation that is never
-    continued stays until the budget needs its room.
+    `take` hands a kept conversation over to the request that reuses it (it leaves the store: `generate` extends the
+    cache in place, and the result is kept again as a new conversation). A conversation that is never reused stays
+    until the budget needs its room.
 
     Args:
         max_bytes (`int`): the budget for all kept caches together; 0 keeps nothing (every request is a full prefill).
@@ -83,18 +133,21 @@ class ConversationStore:
     def nbytes(self) -> int:
         return self._nbytes
 
-    def take(self, prompt_text: str) -> KeptConversation | None:
-        """Remove and return the longest kept conversation whose text `prompt_text` extends (strictly), if any."""
+    def take(self, partition: Hashable, prompt: Prompt) -> tuple[KeptConversation | None, int]:
+        """Remove and return the kept conversation of `partition` that holds the most of `prompt`, and how many of
+        its tokens it holds (see `KeptConversation.reusable_length`); `(None, 0)` if none holds any."""
         with self._lock:
-            best_key, best = None, None
+            best_key, best_length = None, 0
             for key, kept in self._kept.items():
-                if len(kept.text) < len(prompt_text) and prompt_text.startswith(kept.text):
-                    if best is None or len(kept.text) > len(best.text):
-                        best_key, best = key, kept
-            if best_key is not None:
-                del self._kept[best_key]
-                self._nbytes -= best.nbytes
-            return best
+                if kept.partition == partition:
+                    length = kept.reusable_length(prompt)
+                    if length > best_length:
+                        best_key, best_length = key, length
+            if best_key is None:
+                return None, 0
+            best = self._kept.pop(best_key)
+            self._nbytes -= best.nbytes
+            return best, best_length
 
     def keep(self, conversation: KeptConversation) -> bool:
         """Keep a conversation, dropping the least recently used ones it needs room from; False if it alone exceeds

@@ -1,49 +1,59 @@
-"""The chat engine behind `bitune-serve`: renders conversations, continues kept caches, runs one model worker.
+"""The chat engine behind `bitune-serve`: reads conversations as the adapter was trained to, reuses kept caches, runs
+one model worker.
 
-Every request runs on one worker thread (transformers' `InferenceThread`), one after another: a request waits for the
-ones before it, and no two requests ever share a cache or a generation. A request whose rendered prompt extends a kept
-conversation (see `conversations.py`) is a chat continuation exactly as in docs/generation.md: `input_ids` is the kept
-output sequence followed by the tokens of the new text, `cache` the kept cache, so only the new tokens are
-read (paper A.8, alternating). Otherwise the whole rendered prompt is one instruction (a full prefill).
+A request's conversation is laid out by `prompts.py` as training lays it out (turn by turn for `multi_turn=
+"alternating"`, one instruction for `"history"`). The engine reuses the part of a kept conversation whose keys and
+values are exactly those of that layout (`conversations.py`), crops the rest away, reads what is missing segment by
+segment (each instruction twice, mixed, over the cache so far; answers causally) and decodes. So an answer never
+depends on what the server happened to keep: a full prefill is the same computation with nothing reused.
 
-The engine knows nothing about HTTP; `app.py` turns requests into `ChatRequest`s and results into OpenAI responses.
+Every request runs on one worker thread (`worker.ModelWorker`), one after another: a request waits for the ones before
+it, and no two requests ever share a cache or a generation. The engine knows nothing about HTTP; `app.py` turns
+requests into `ChatRequest`s and results into OpenAI responses.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import StoppingCriteriaList
 
 from .. import compat
+from ..caches import BituneCache
 from ..common import max_positions
+from ..model import find_bitune_tuner
 from .conversations import ConversationStore, KeptConversation
+from .prompts import Prompt, PromptBuilder, PromptLayoutError
+from .streaming import Cancelled, cut_at_stop
+from .worker import ModelWorker
 
 
 @dataclass
 class ChatRequest:
     """
-    One chat completion, validated and rendered.
+    One chat completion, validated and laid out.
 
     Args:
-        prompt_text (`str`): the conversation rendered by the chat template, ending with the assistant's header.
-        prompt_ids (`list[int]`): `prompt_text` tokenized on its own (the input of a full prefill).
+        prompt (`Prompt`): the conversation's token ids and segments, ending with the assistant's header.
         generation_config (`GenerationConfig`): sampling settings of the request.
         max_tokens (`int`, *optional*): the most tokens to generate; `None` for as many as the model's positions
             leave.
         stop (`list[str]`): strings that end the answer; the answer returned stops before the first one.
         seed (`int`, *optional*): seeds torch right before this request's generation.
+        partition (`Hashable`): whose kept conversations this request may reuse (see `conversations.py`).
     """
 
-    prompt_text: str
-    prompt_ids: list[int]
+    prompt: Prompt
     generation_config: Any
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    partition: Hashable = None
 
 
 @dataclass
@@ -61,6 +71,9 @@ class ChatEngine:
     """
     A Bitune `PeftModel`, its tokenizer and chat template, the kept conversations, and the one worker thread.
 
+    The chat template is compiled and tried once here, on a plain conversation: a template that fails, or whose
+    answers cannot be found for an alternating adapter, is refused before any request (`ValueError`).
+
     Args:
         model (`PeftModel`): the base model with a Bitune adapter, in eval mode.
         tokenizer: its tokenizer.
@@ -75,24 +88,23 @@ class ChatEngine:
                 "The tokenizer has no chat template, so conversations cannot be rendered: pass one with "
                 "`--chat-template <file>` (a Jinja template, as for vLLM's server), or use a tokenizer that has one."
             )
-        from transformers.cli.serving.utils import InferenceThread
-
+        tuner = find_bitune_tuner(model)
+        if tuner is None:
+            raise ValueError(f"`model` has no Bitune adapter ({type(model).__name__}); load one with PeftModel.")
         self.model = model
         self.tokenizer = tokenizer
-        self.chat_template = chat_template
+        self.tuner = tuner
+        self.multi_turn = tuner.peft_config[tuner.active_adapter].multi_turn
+        self.prompts = PromptBuilder(tokenizer, chat_template, self.multi_turn, _eos_texts(model, tokenizer))
+        from jinja2 import TemplateError  # chat templates need jinja2 (the `serve` extra)
+
+        try:
+            self.prompts.check()
+        except (TemplateError, PromptLayoutError) as error:
+            raise ValueError(f"The chat template cannot be used: {type(error).__name__}: {error}") from error
         self.store = ConversationStore(cache_budget_bytes)
         self.max_positions = max_positions(model)
-        self.worker = InferenceThread()
-
-    def render(self, messages: list[dict]) -> str:
-        """The conversation as the chat template writes it, ending with the assistant's header."""
-        return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
-        )
-
-    def tokenize(self, text: str) -> list[int]:
-        # The template writes the special tokens (e.g. BOS) itself, as in transformers' `apply_chat_template`.
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.worker = ModelWorker()
 
     def room_for(self, prompt_tokens: int, max_tokens: int | None) -> bool:
         """Whether a prompt of this many tokens and its answer fit in the model's positions."""
@@ -103,19 +115,28 @@ class ChatEngine:
     def run(
         self, request: ChatRequest, streamer: Any = None, cancelled: threading.Event | None = None
     ) -> ChatResult | None:
-        """Answer one request; runs on the worker thread. Returns None if `cancelled` was set before it started."""
+        """
+        Answer one request; runs on the worker thread.
+
+        `streamer` receives the answer's tokens as they come (`streaming.TextStream`). Once `cancelled` is set (the
+        client left), generation ends at the next token and the conversation is not kept; returns None if it was set
+        before the request started. A request that fails after it took a kept conversation drops that conversation
+        (its cache may be half extended); requests are checked before they are queued, so that only an internal error
+        can do this.
+        """
         if cancelled is not None and cancelled.is_set():
             return None  # the client left while the request was queued: no work at all
-        input_ids, cache, cached_tokens = self._continuation_or_full_prefill(request)
-        max_new_tokens = request.max_tokens
-        if max_new_tokens is None:
-            max_new_tokens = self.max_positions - len(input_ids) if self.max_positions else 1024
+        prompt = request.prompt
+        generation_config = copy.copy(request.generation_config)
+        generation_config.max_new_tokens = request.max_tokens
+        if request.max_tokens is None:
+            generation_config.max_new_tokens = self.max_positions - len(prompt) if self.max_positions else 1024
+        generation_config.return_dict_in_generate = True
+        kept, cached_tokens = self.store.take(request.partition, prompt)
+        cache = self.read(prompt, None if kept is None else kept.cache, cached_tokens)
         if request.seed is not None:
             torch.manual_seed(request.seed)
-        generation_config = copy.copy(request.generation_config)
-        generation_config.max_new_tokens = max_new_tokens
-        generation_config.return_dict_in_generate = True
-        ids = torch.tensor([input_ids], device=self.model.device)
+        ids = torch.tensor([prompt.token_ids], device=self.model.device)
         output = self.model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),  # one conversation: no padding anywhere
@@ -123,61 +144,60 @@ class ChatEngine:
             generation_config=generation_config,
             tokenizer=self.tokenizer,  # for stop strings
             streamer=streamer,
+            stopping_criteria=StoppingCriteriaList([Cancelled(cancelled)] if cancelled is not None else []),
         )
-        sequence = output.sequences[0].tolist()
-        answer_ids = sequence[len(input_ids) :]
-        decoded = self.tokenizer.decode(answer_ids, skip_special_tokens=False)
-        self.store.keep(KeptConversation(request.prompt_text + decoded, sequence, compat.output_cache(output)))
+        if cancelled is not None and cancelled.is_set():
+            return None  # the client left: an answer cut short is neither returned nor kept
+        answer_ids = output.sequences[0, len(prompt) :].tolist()
+        self.store.keep(
+            KeptConversation(prompt.followed_by_answer(answer_ids), compat.output_cache(output), request.partition)
+        )
         content, hit_stop = cut_at_stop(self.tokenizer.decode(answer_ids, skip_special_tokens=True), request.stop)
-        ended_by_eos = bool(answer_ids) and answer_ids[-1] in _eos_ids(request.generation_config)
-        finish_reason = "length" if not (hit_stop or ended_by_eos) and len(answer_ids) >= max_new_tokens else "stop"
-        return ChatResult(content, answer_ids, finish_reason, len(input_ids), cached_tokens)
+        ended_by_eos = bool(answer_ids) and answer_ids[-1] in _eos_ids(generation_config)
+        finished = hit_stop or ended_by_eos or len(answer_ids) < generation_config.max_new_tokens
+        return ChatResult(content, answer_ids, "stop" if finished else "length", len(prompt), cached_tokens)
 
-    def _continuation_or_full_prefill(self, request: ChatRequest) -> tuple[list[int], Any, int]:
-        """The input ids, the cache to continue (or None) and how many of the inputs that cache already holds."""
-        kept = self.store.take(request.prompt_text)
-        if kept is None:
-            return request.prompt_ids, None, 0
-        new_ids = self.tokenize(request.prompt_text[len(kept.text) :])
-        input_ids = kept.token_ids + new_ids
-        if not new_ids or not self.room_for(len(input_ids), request.max_tokens):
-            # The full prefill was checked to fit; the continuation's own tokenization may be a little longer.
-            self.store.keep(kept)
-            return request.prompt_ids, None, 0
-        return input_ids, kept.cache, kept.cache.get_seq_length()
+    def read(self, prompt: Prompt, cache: BituneCache | None = None, cached: int = 0) -> BituneCache:
+        """
+        The cache of `prompt` minus its last token, laid out segment by segment, ready for `generate`.
+
+        Each instruction segment but its last token is read twice over the cache so far and mixed
+        (`prefill(cache=...)`); the tokens between (the instruction's last token, then the answer) run causally
+        first. Given a `cache` whose first `cached` positions hold `prompt`'s first tokens exactly so, it is cropped
+        to them and only the rest is read.
+        """
+        ids = prompt.token_ids
+        if cache is not None and cached < cache.get_seq_length():
+            cache.crop(cached - cache.get_seq_length())  # a negative count removes that many (every release's form)
+        for start, end, is_answer in prompt.segments():
+            if is_answer or (cache is not None and end - 1 <= cached):
+                continue  # answers run causally before the next instruction; this instruction's mix is held
+            if cache is None:  # the first instruction, nothing reused
+                cache = self.tuner.prefill(self._tensor(ids[:end]))
+            else:
+                cache.record_conversation(*self._with_mask(ids[:start]))  # ... the answer it follows ends here
+                self.tuner.prefill(self._tensor(ids[:end]), cache=cache)
+            cached = end - 1
+        cache.record_conversation(*self._with_mask(ids[:-1]))  # all but the last token, which `generate` reads
+        return cache
+
+    def _tensor(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], dtype=torch.long, device=self.model.device)
+
+    def _with_mask(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        tensor = self._tensor(ids)
+        return tensor, torch.ones_like(tensor)
+
+    def close(self) -> None:
+        """Stop the worker once the queued requests have run."""
+        self.worker.close()
 
 
-def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
-    """`text` up to the first stop string (OpenAI returns the answer without it), and whether one was found."""
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    return (text, False) if cut < 0 else (text[:cut], True)
-
-
-class StopTextFilter:
-    """Streams text that cannot be the start of a stop string, so that a stream ends exactly where the whole answer
-    is cut (`cut_at_stop`): the tail that might begin a stop string is held back until it is decided."""
-
-    def __init__(self, stop: list[str]) -> None:
-        self.stop = stop
-        self.pending = ""
-        self.stopped = False
-
-    def feed(self, text: str) -> str:
-        if self.stopped:
-            return ""
-        self.pending += text
-        cut, hit = cut_at_stop(self.pending, self.stop)
-        if hit:
-            self.stopped = True
-            self.pending = ""
-            return cut
-        held = max((n for s in self.stop for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
-        ready, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
-        return ready
-
-    def flush(self) -> str:
-        ready, self.pending = ("" if self.stopped else self.pending), ""
-        return ready
+def _eos_texts(model: Any, tokenizer: Any) -> list[str]:
+    """The texts of the end-of-sequence tokens (the tokenizer's and the generation config's), which end an answer."""
+    texts = [tokenizer.eos_token] if tokenizer.eos_token else []
+    texts += [tokenizer.decode([token_id]) for token_id in sorted(_eos_ids(model.generation_config))]
+    return list(dict.fromkeys(text for text in texts if text))
 
 
 def _eos_ids(generation_config: Any) -> set[int]:

@@ -12,6 +12,9 @@ from typing import Any
 import uvicorn
 
 STARTUP_TIMEOUT_S = 60.0
+# How long an idle keep-alive connection stays open: longer than clients keep theirs (httpx, under the openai client:
+# 5 s), so that a client never sends on a connection the server is closing at that moment (a reset, not an answer).
+KEEP_ALIVE_S = 75
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -31,14 +34,14 @@ def url_of(sock: socket.socket) -> str:
 
 def serve(app: Any, sock: socket.socket, log_level: str = "warning") -> None:
     """Serve `app` on a bound socket until interrupted."""
-    uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
+    uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S)).run(sockets=[sock])
 
 
 @contextmanager
 def serving_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
     """Serve `app` on a background thread for the duration of the block; yields the base URL (e.g. for tests)."""
     sock = bind(host, port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

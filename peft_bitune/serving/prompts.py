@@ -1,0 +1,204 @@
+"""A request's conversation as the model reads it: its token ids, and where each instruction and answer is.
+
+The server must read a conversation exactly as the adapter was trained to (`BituneConfig.multi_turn`), whatever it
+happens to keep, so that the same request always gets the same answer:
+
+- `"alternating"`: the training forward's `ConversationLayout`. Each answer of the assistant is a causal segment, and
+  each run of other tokens before an answer (system and user messages, the template's headers and separators) is an
+  instruction segment, read twice and mixed. The conversation is tokenized as one text, as TRL tokenizes a training
+  conversation, and the answers are found from the chat template, as TRL's `assistant_only_loss` finds them: by the
+  template's `{% generation %}` markers if it has them, otherwise by rendering the conversation up to each answer.
+- `"history"`: the whole conversation is one instruction (the paper's whole-history scheme).
+
+Without markers, an answer is what the model would have generated for it: the rendered assistant message from where
+the generation prompt ends through its content, and the end-of-sequence token if the template writes one right after
+(the template's separators after that belong to the next instruction).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..common import MultiTurnMode
+
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")  # as transformers detects them
+PROBE_CONVERSATION = [
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3 + 3?"},
+]
+
+
+class PromptLayoutError(ValueError):
+    """The chat template does not let the server find where the assistant's answers are."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """
+    A conversation's token ids and its segments, in the order Bitune reads them.
+
+    Args:
+        token_ids (`list[int]`): the rendered conversation, ending with the generation prompt, tokenized as one text.
+        segment_ends (`tuple[int, ...]`): where each segment ends; segments alternate, instruction first (even
+            indices instructions, odd indices answers), and the last one ends at `len(token_ids)`.
+    """
+
+    token_ids: list[int]
+    segment_ends: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        ends = self.segment_ends
+        if not ends or ends[-1] != len(self.token_ids) or any(b <= a for a, b in zip((0, *ends), ends)):
+            raise ValueError(f"Segment ends {ends} do not split {len(self.token_ids)} tokens into non-empty segments.")
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def segments(self) -> Iterator[tuple[int, int, bool]]:
+        """(start, end, is_answer) of every segment, in order."""
+        start = 0
+        for number, end in enumerate(self.segment_ends):
+            yield start, end, number % 2 == 1
+            start = end
+
+    def followed_by_answer(self, answer_ids: list[int]) -> Prompt:
+        """This conversation with an answer after it: a new answer segment (or the last one continued, where the
+        prompt already ends in one)."""
+        if not answer_ids:
+            return self
+        ends_in_answer = len(self.segment_ends) % 2 == 0
+        ends = self.segment_ends[:-1] if ends_in_answer else self.segment_ends
+        return Prompt(self.token_ids + list(answer_ids), (*ends, len(self.token_ids) + len(answer_ids)))
+
+    def answer_mask(self) -> list[bool]:
+        """True on every answer token."""
+        return [is_answer for start, end, is_answer in self.segments() for _ in range(start, end)]
+
+
+class PromptBuilder:
+    """
+    Renders conversations with the chat template and lays them out for the adapter's multi-turn scheme.
+
+    Args:
+        tokenizer: the model's tokenizer; laying out alternating turns needs a fast one (character offsets).
+        chat_template (`str`, *optional*): a Jinja chat template overriding the tokenizer's own.
+        multi_turn (`str`): the adapter's `multi_turn`, `"alternating"` or `"history"`.
+        eos_texts (`list[str]`): the texts of the end-of-sequence tokens, which end an answer when the template writes
+            one right after the content.
+    """
+
+    def __init__(self, tokenizer: Any, chat_template: str | None, multi_turn: MultiTurnMode, eos_texts: list[str]):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.multi_turn = multi_turn
+        self.eos_texts = [text for text in eos_texts if text]
+        template = chat_template if chat_template is not None else tokenizer.chat_template
+        self.has_generation_markers = isinstance(template, str) and bool(GENERATION_MARKER.search(template))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+
+    def build(self, messages: list[dict]) -> Prompt:
+        """The conversation's prompt. Raises jinja2's `TemplateError` if the template refuses the messages, and
+        `PromptLayoutError` if the answers cannot be found in its rendering."""
+        if self.multi_turn == "history" or not any(message["role"] == "assistant" for message in messages):
+            token_ids = self._tokenize(self.render(messages))
+            return Prompt(token_ids, (len(token_ids),))
+        if self.has_generation_markers:
+            encoded = self.tokenizer.apply_chat_template(
+                messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=True,
+                return_dict=True, return_assistant_tokens_mask=True,
+            )
+            return _from_answer_mask(list(encoded["input_ids"]), [bool(m) for m in encoded["assistant_masks"]])
+        text = self.render(messages)
+        spans = self._answer_spans(messages, text)
+        try:
+            encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError as error:
+            raise PromptLayoutError(
+                "Laying out an alternating conversation needs the character offsets of a fast tokenizer "
+                f"(tokenizer.json); this tokenizer has none ({error})."
+            ) from error
+        return _from_answer_mask(list(encoded["input_ids"]), _overlapping(encoded["offset_mapping"], spans))
+
+    def check(self) -> None:
+        """Compile and render the template once, on a plain three-message conversation, and lay it out: raises
+        `TemplateError` or `PromptLayoutError` (a server refuses to start rather than answer every request with an
+        error)."""
+        prompt = self.build(PROBE_CONVERSATION)
+        if self.multi_turn == "alternating" and len(prompt.segment_ends) != 3:
+            raise PromptLayoutError(
+                f"The chat template's rendering of {PROBE_CONVERSATION} has {len(prompt.segment_ends) // 2} answers "
+                "where the assistant wrote one."
+            )
+
+    def _tokenize(self, text: str) -> list[int]:
+        # The template writes the special tokens (e.g. BOS) itself, as in transformers' `apply_chat_template`.
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _answer_spans(self, messages: list[dict], text: str) -> list[tuple[int, int]]:
+        """The character span of each answer in `text`, found by rendering the conversation up to it."""
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant" or i == 0:  # an answer before any instruction is read as instruction
+                continue
+            before = self.render(messages[:i])
+            through = self.render(messages[: i + 1], add_generation_prompt=False)
+            if not (through.startswith(before) and text.startswith(through)):
+                raise PromptLayoutError(
+                    f"The chat template renders messages[{i}] (an assistant answer) differently depending on what "
+                    "follows it, so the server cannot tell where the answer is. Mark the assistant's part of the "
+                    "template with {% generation %} ... {% endgeneration %} (as TRL's assistant_only_loss needs)."
+                )
+            written = through[len(before) :]
+            end = self._content_end(written, message["content"])
+            if end is None:
+                raise PromptLayoutError(
+                    f"The chat template does not write the content of messages[{i}] (an assistant answer) as given, "
+                    "so the server cannot tell where the answer is. Mark the assistant's part of the template with "
+                    "{% generation %} ... {% endgeneration %} (as TRL's assistant_only_loss needs)."
+                )
+            if end > 0:
+                spans.append((len(before), len(before) + end))
+        return spans
+
+    def _content_end(self, written: str, content: str) -> int | None:
+        """Where the answer ends in the assistant's rendered message: after its content (the last place it is
+        written, preferring one followed by an end-of-sequence token), and after that token if there is one."""
+        places, place = [], written.find(content)
+        while place >= 0:
+            places.append(place)
+            place = written.find(content, place + 1)
+        if not places:
+            return None
+        for place in reversed(places):
+            end = place + len(content)
+            eos = next((e for e in self.eos_texts if written.startswith(e, end)), None)
+            if eos is not None:
+                return end + len(eos)
+        return places[-1] + len(content)
+
+
+def _overlapping(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """True on every token that overlaps a span (transformers' rule for `return_assistant_tokens_mask`)."""
+    mask, span = [], 0
+    for start, end in offsets:
+        while span < len(spans) and start >= spans[span][1]:
+            span += 1
+        mask.append(span < len(spans) and end > spans[span][0])
+    return mask
+
+
+def _from_answer_mask(token_ids: list[int], is_answer: list[bool]) -> Prompt:
+    """Segments from a per-token answer mask. Answer tokens before the first instruction token (nothing before them
+    to read twice) are read as instruction, so that the segments start with an instruction as in training."""
+    first_instruction = next((i for i, answer in enumerate(is_answer) if not answer), len(is_answer))
+    mask = [False] * first_instruction + is_answer[first_instruction:]
+    ends = [i for i in range(1, len(mask)) if mask[i] != mask[i - 1]]
+    return Prompt(token_ids, (*ends, len(token_ids)))

@@ -1,0 +1,103 @@
+"""The `bitune-serve` command: what is wrong at startup is refused with one line that says what to do, before the
+model's weights are read; and the command serves an adapter (fixtures in conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the serving tests need the `serve` extra")
+pytest.importorskip("fastapi", reason="the serving tests need the `serve` extra")
+
+from peft_bitune.serving import cli  # noqa: E402
+from serving_helpers import BASE, NAME, REQUEST_TIMEOUT_S, ROOT, STORIES, TEMPLATE_FILE  # noqa: E402
+
+
+def refusal(arguments: list[str]) -> str:
+    """The message `bitune-serve` exits with; it must be one line."""
+    with pytest.raises(SystemExit) as error:
+        cli.main([*arguments, "--port", "0"])
+    message = str(error.value.code)
+    assert message.startswith("bitune-serve: ") and "\n" not in message, message
+    return message
+
+
+def test_the_command_refuses_to_start_without_a_chat_template(serving_adapter):
+    assert "--chat-template <file>" in refusal(["--model", BASE, "--adapter", serving_adapter])
+
+
+def test_a_device_torch_cannot_use_here_is_refused(serving_adapter):
+    common = ["--model", BASE, "--adapter", serving_adapter, "--chat-template", TEMPLATE_FILE]
+    assert "CUDA" in refusal([*common, "--device", "cuda:99"])  # no GPU, or not that many: either way refused
+    assert "not a torch device" in refusal([*common, "--device", "gpu-please"])
+
+
+def test_a_missing_or_truncated_adapter_is_refused(serving_adapter, tmp_path):
+    common = ["--model", BASE, "--chat-template", TEMPLATE_FILE]
+    message = refusal([*common, "--adapter", str(tmp_path / "no-such-adapter")])
+    assert "cannot read the adapter" in message and "adapter_config.json" in message
+    truncated = tmp_path / "truncated"
+    shutil.copytree(serving_adapter, truncated)
+    weights = truncated / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    message = refusal([*common, "--adapter", str(truncated)])
+    assert "cannot load the adapter weights" in message and "truncated or corrupt" in message
+
+
+def test_a_port_in_use_is_refused(serving_adapter):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as error:
+            cli.main(["--model", BASE, "--adapter", serving_adapter, "--chat-template", TEMPLATE_FILE,
+                      "--port", str(port)])
+    message = str(error.value.code)
+    assert f"cannot listen on 127.0.0.1:{port}" in message and "--port" in message and "\n" not in message
+
+
+def test_a_chat_template_that_does_not_render_is_refused_at_startup(serving_adapter, tmp_path):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for message in messages %}{{ message['content'] }}{% endfor")  # a syntax error
+    message = refusal(["--model", BASE, "--adapter", serving_adapter, "--chat-template", str(broken)])
+    assert "fails on a plain conversation" in message and "TemplateSyntaxError" in message
+    failing = tmp_path / "failing.jinja"
+    failing.write_text("{{ raise_exception('this template only takes system messages') }}")
+    assert "only takes system messages" in refusal(
+        ["--model", BASE, "--adapter", serving_adapter, "--chat-template", str(failing)])
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
+    required = ["--model", BASE, "--adapter", "x"]
+    monkeypatch.setenv(cli.API_KEY_VARIABLE, "from-env")
+    assert cli.parse_args(required).api_key == ["from-env"]
+    assert cli.parse_args([*required, "--api-key", "a", "--api-key", "b"]).api_key == ["a", "b"]
+    monkeypatch.delenv(cli.API_KEY_VARIABLE)
+    assert cli.parse_args(required).api_key == []
+
+
+@pytest.mark.slow  # a fresh Python process imports torch, transformers and FastAPI: about half a minute on 2 cores
+def test_the_command_serves_the_adapter_behind_its_api_key(serving_adapter):
+    command = [sys.executable, "-m", "peft_bitune.serving.cli", "--model", BASE, "--adapter", serving_adapter,
+               "--chat-template", TEMPLATE_FILE, "--port", "0", "--served-model-name", NAME]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+           cli.API_KEY_VARIABLE: "secret"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = process.stdout.readline()
+        assert "serving" in line, line
+        url = line.split(" on ")[-1].strip()
+        assert url.startswith("http://127.0.0.1:")
+        settings = dict(model=NAME, messages=[{"role": "user", "content": STORIES[0]}], max_tokens=2, temperature=0)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).chat.completions.create(**settings)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0, timeout=REQUEST_TIMEOUT_S)
+        assert client.chat.completions.create(**settings).usage.completion_tokens <= 2
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
