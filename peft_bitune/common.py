@@ -89,6 +89,18 @@ def first_true(mask: Any) -> tuple[int, int] | None:
     return (int(found[0, 0]), int(found[0, 1])) if len(found) else None
 
 
+def has_holes(attention_mask: Any) -> Any:
+    """
+    Which rows of a (batch, seq) attention mask have a hole, as a (batch,) boolean tensor. A hole is padding between
+    two real tokens of a row; padding before a row's first real token or after its last one is not a hole, and an
+    all-padding row has none. Bitune's passes need each row's real tokens as one contiguous run.
+    """
+    valid = attention_mask.bool()
+    first = valid.int().argmax(dim=1)
+    last = valid.shape[1] - 1 - valid.flip(1).int().argmax(dim=1)
+    return valid.any(dim=1) & (last - first + 1 != valid.sum(dim=1))
+
+
 def format_rows(rows: Sequence[int], most: int = 8) -> str:
     """Batch or dataset rows for an error message: `[0, 3, 5]`, or the first `most` then `...`."""
     shown = [str(row) for row in rows[:most]] + (["..."] if len(rows) > most else [])

@@ -16,8 +16,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from . import compat
 from .caches import BituneCache, append_key_values, pass_cache, reading_pass_cache
-from .common import CAUSAL, max_positions, text_config
-from .inputs import attention_mask_for, check_not_empty, check_prompts, has_holes, positions_for
+from .common import CAUSAL, has_holes, max_positions, text_config
+from .inputs import attention_mask_for, check_not_empty, check_prompts, positions_for
 
 
 class BituneGenerationMixin:
@@ -154,7 +154,7 @@ class BituneGenerationMixin:
         cache.check_continuation(input_ids, attention_mask)
         if not bool(attention_mask[:, -1].bool().all()):
             raise ValueError("The new instruction must be left-padded: every row must end with a real token.")
-        if any(cache.is_sliding) and has_holes(attention_mask):
+        if any(cache.is_sliding) and bool(has_holes(attention_mask).any()):
             raise ValueError(
                 "This model has sliding-window layers, whose window is counted in cache columns, and the conversation "
                 "has padding between real tokens (rows whose turns have different lengths). Continue such "

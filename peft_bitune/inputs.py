@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .common import check_fits_positions, check_mask_shape, first_true, format_rows
+from .common import check_fits_positions, check_mask_shape, first_true, format_rows, has_holes
 
 
 def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -25,13 +25,6 @@ def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
 def positions_for(attention_mask: torch.Tensor) -> torch.Tensor:
     """Ordinary position ids, as transformers' `generate` computes them: real tokens counted from 0."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def has_holes(attention_mask: torch.Tensor) -> bool:
-    valid = attention_mask.bool()
-    starts = valid.int().argmax(dim=1)
-    expected = torch.arange(valid.shape[1], device=valid.device)[None, :] >= starts[:, None]
-    return bool((valid != expected).any())
 
 
 def check_not_empty(input_ids: torch.Tensor) -> None:
@@ -61,7 +54,7 @@ def check_prompts(
             f"Prompt rows {rows} are right-padded. Bitune generation continues every prompt from its last token, so "
             "prompts must be left-padded: set `tokenizer.padding_side = 'left'`."
         )
-    if has_holes(attention_mask):
+    if bool(has_holes(attention_mask).any()):
         raise ValueError("Prompts have padding between real tokens; pad on the left only.")
     check_fits_positions(int(lengths.max()), position_limit, "A prompt")
     return attention_mask

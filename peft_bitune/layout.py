@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from .common import IGNORE_INDEX, MultiTurnMode, format_rows
+from .common import IGNORE_INDEX, MultiTurnMode, format_rows, has_holes
 
 Alignment = Literal["left", "right"]
 
@@ -274,20 +274,12 @@ class _Segments:
         return turns
 
 
-def _run_mask(starts: torch.Tensor, lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """True on positions `starts[i] .. starts[i] + lengths[i] - 1` of each row i."""
-    positions = torch.arange(seq_len, device=starts.device)[None, :]
-    return (positions >= starts[:, None]) & (positions < (starts + lengths)[:, None])
-
-
 def _contiguous_runs(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Start and length of each row's real tokens; refuses empty rows and padding in the middle of a row."""
     lengths = valid.sum(dim=1)
     _check_rows(lengths == 0, "rows {rows} are empty (attention_mask is all 0)")
-    starts = valid.int().argmax(dim=1)
-    _check_rows(valid != _run_mask(starts, lengths, valid.shape[1]), "rows {rows} have padding between real tokens; "
-                "pad on the left or on the right only")
-    return starts, lengths
+    _check_rows(has_holes(valid), "rows {rows} have padding between real tokens; pad on the left or on the right only")
+    return valid.int().argmax(dim=1), lengths
 
 
 def _check_rows(bad: torch.Tensor, message: str) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 
 from . import compat
 from .callbacks import layer_log_key, mean_log_key
-from .common import BIDIRECTIONAL, CAUSAL, WeightSet, format_rows, is_bitune_type, text_config
+from .common import BIDIRECTIONAL, CAUSAL, WeightSet, format_rows, has_holes, is_bitune_type, text_config
 from .config import BituneConfig
 from .inputs import attention_mask_for, positions_for
 from .mixing import BituneKVMixer
@@ -189,11 +189,9 @@ def _prompt_pass_tokens(
             f"Prompt rows {rows} have fewer than 2 tokens. The prompt passes read every token of the prompt but the "
             "last, so a prompt needs at least 2 tokens to have an attention map."
         )
-    first = valid.int().argmax(dim=1)
-    last = seq_len - 1 - valid.flip(1).int().argmax(dim=1)
-    columns = torch.arange(seq_len, device=valid.device)
-    if bool((valid != ((columns >= first[:, None]) & (columns <= last[:, None]))).any()):
+    if bool(has_holes(valid).any()):
         raise ValueError("Prompts have padding between real tokens; pad on one side only (left or right).")
+    last = seq_len - 1 - valid.flip(1).int().argmax(dim=1)
     prefix_mask = valid.clone()
     prefix_mask[torch.arange(valid.shape[0], device=valid.device), last] = False
     used = prefix_mask.any(dim=0)

@@ -8,6 +8,7 @@ from peft import AdaLoraConfig, LoraConfig, PromptTuningConfig, get_peft_model
 
 from conftest import VOCAB
 from peft_bitune import BituneConfig
+from peft_bitune.common import has_holes
 from peft_bitune.passes import BitunePasses
 from reference import make_bitune
 
@@ -108,6 +109,19 @@ def test_bad_training_inputs_get_clear_errors_before_any_compute(load_base, monk
     with pytest.raises((ValueError, NotImplementedError), match=message):
         model(**change(ids, labels))
     assert not ran
+
+
+def test_a_hole_is_padding_between_real_tokens_of_a_row():
+    mask = torch.tensor([
+        [1, 1, 1, 1],  # no padding
+        [0, 0, 1, 1],  # left padding
+        [1, 1, 0, 0],  # right padding
+        [0, 1, 1, 0],  # both sides
+        [0, 0, 0, 0],  # all padding: no hole (refused elsewhere as empty)
+        [1, 0, 1, 1],  # a hole
+        [0, 1, 0, 1],  # a hole after left padding
+    ])
+    assert has_holes(mask).tolist() == [False] * 5 + [True] * 2
 
 
 def test_inputs_embeds_give_the_same_result_as_input_ids(load_base):
