@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .model import BituneModel, find_bitune_tuner
+from .model import BituneModel, require_bitune_tuner
 
 LOG_PREFIX = "bitune/"
 
@@ -99,7 +99,11 @@ class BituneMixingCallback(TrainerCallback):
             last.update(values)
 
     def _mixing_logs(self, model: nn.Module, step: int) -> dict[str, float]:
-        bitune = find_bitune_model(model)
+        bitune = require_bitune_tuner(
+            model,
+            "for `BituneMixingCallback`, which logs the mixing coefficients of a Bitune adapter",
+            "Train a model made with `get_peft_model(model, BituneConfig())`, or remove the callback.",
+        )
         with self.gather(bitune):
             coefficients = {
                 kind: _full_tensor(alpha).float().cpu() for kind, alpha in bitune.get_mixing_coefficients().items()
@@ -111,18 +115,6 @@ class BituneMixingCallback(TrainerCallback):
                 logs.update({layer_log_key(kind, layer): value for layer, value in enumerate(alpha.tolist())})
             self._last_per_layer_step = step
         return logs
-
-
-def find_bitune_model(model: nn.Module) -> BituneModel:
-    """The `BituneModel` inside `model` (a `PeftModel`, or one wrapped by DDP/FSDP)."""
-    bitune = find_bitune_tuner(model)
-    if bitune is not None:
-        return bitune
-    raise ValueError(
-        "`BituneMixingCallback` logs the mixing coefficients of a Bitune adapter, but the trained "
-        f"{type(model).__name__} holds none. Train a model made with `get_peft_model(model, BituneConfig())`, or "
-        "remove the callback."
-    )
 
 
 def gathered_mixing_scalars(bitune: BituneModel) -> contextlib.AbstractContextManager:

@@ -31,7 +31,7 @@ from .common import BIDIRECTIONAL, CAUSAL, WeightSet, format_rows, has_holes, is
 from .config import BituneConfig
 from .inputs import attention_mask_for, positions_for
 from .mixing import BituneKVMixer
-from .model import BituneModel, find_bitune_tuner
+from .model import BituneModel, require_bitune_tuner
 from .persistence import MIXER_CHECKPOINT_KEYS
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ def attention_maps(
     >>> plot_attention_maps(maps, tokenizer, path="attention.png")  # doctest: +SKIP
     ```
     """
-    bitune = _bitune_model(model)
+    bitune = require_bitune_tuner(model, "to draw its attention maps")
     hf_model = bitune.model
     config = text_config(hf_model)
     layer = _checked_index("layer", layer, config.num_hidden_layers)
@@ -210,16 +210,6 @@ def _checked_index(name: str, index: int | None, size: int) -> int | None:
     return index % size
 
 
-def _bitune_model(model: Any) -> BituneModel:
-    bitune = find_bitune_tuner(model) if isinstance(model, nn.Module) else None
-    if bitune is None:
-        raise TypeError(
-            f"Expected a Bitune model (a `PeftModel` made with a `BituneConfig`, or its `BituneModel`), got "
-            f"{type(model).__name__}."
-        )
-    return bitune
-
-
 @contextmanager
 def _eager_attention(model: nn.Module) -> Iterator[None]:
     """Run `model` with eager attention (the only one that returns probabilities), then restore its implementation."""
@@ -271,7 +261,8 @@ def mixing_coefficients(
     """
     if isinstance(source, (str, os.PathLike)):
         return _saved_mixing_coefficients(source, adapter_name)
-    coefficients = _bitune_model(source).get_mixing_coefficients(adapter_name)
+    bitune = require_bitune_tuner(source, "to read its mixing coefficients")
+    coefficients = bitune.get_mixing_coefficients(adapter_name)
     return {kind: alpha.cpu() for kind, alpha in coefficients.items()}
 
 

@@ -38,7 +38,7 @@ from transformers.cache_utils import Cache
 
 from .. import compat
 from ..common import CAUSAL, is_bitune_type, peft_type_name
-from ..model import BituneModel, find_bitune_tuner
+from ..model import require_bitune_tuner
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,9 @@ class BituneLM(HFLM):
         _check_arguments(pretrained, peft, kwargs)
         kwargs.pop("backend", None)
         super().__init__(pretrained=pretrained, peft=peft, backend="causal", **kwargs)
-        self._bitune = _bitune_tuner(self.model)
+        self._bitune = require_bitune_tuner(
+            self.model, "for the harness's `bitune` model", "For other adapters use the harness's `hf` model."
+        )
 
     # ------------------------------------------------------------------ loglikelihood
     def _loglikelihood_tokens(
@@ -263,18 +265,6 @@ def _check_arguments(pretrained: Any, peft: str | None, kwargs: dict[str, Any]) 
                 f"`peft={peft}` is a {peft_type_name(peft_type)} adapter; the `bitune` model evaluates "
                 "Bitune adapters. Use the harness's `hf` model for it."
             )
-
-
-def _bitune_tuner(model: Any) -> BituneModel:
-    tuner = find_bitune_tuner(model)
-    if tuner is None:
-        inner = model.base_model if isinstance(model, PeftModel) else None
-        raise ValueError(
-            f"The `bitune` model needs a PEFT model with a Bitune adapter, got {type(model).__name__}"
-            + (f" with a {type(inner).__name__}" if inner is not None else "")
-            + ". For other adapters use the harness's `hf` model."
-        )
-    return tuner
 
 
 def _select_rows(cache: Cache, rows: torch.Tensor) -> Cache:
