@@ -9,11 +9,10 @@ Each pass reads the keys/values built so far and may record its own. Two propert
   overwrite what the first run wrote instead of appending it a second time.
 
 Both are one layer class, `PassCacheLayer`: an optional fixed prefix, plus an optional record of the last chunk.
-A prompt pass feeds nothing but its keys/values, so once the last layer has recorded them the pass may stop there
-(`PromptPassComplete`): the last layer's attention output and MLP, and the final norm, would be computed for nothing.
-In training it holds every position and is never a sliding-window layer; sliding-window models still get their
-window, because transformers builds the sliding mask from the config over absolute positions. Over a generation cache
-it mirrors each layer (window and offset) instead.
+A prompt pass feeds nothing but its keys/values, so once the last layer has recorded them the pass may end there (see
+`early_stop.py`). In training it holds every position and is never a sliding-window layer; sliding-window models still
+get their window, because transformers builds the sliding mask from the config over absolute positions. Over a
+generation cache it mirrors each layer (window and offset) instead.
 """
 
 from __future__ import annotations
@@ -24,11 +23,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .common import check_mask_shape, first_true
+from .early_stop import PromptPassComplete
 from .mixing import BituneKVMixer, mix_key_values
-
-
-class PromptPassComplete(Exception):
-    """Raised by the last layer of a recording pass cache once it holds its keys/values; the pass is complete."""
 
 
 class PassCacheLayer(CacheLayerMixin):
@@ -46,7 +42,7 @@ class PassCacheLayer(CacheLayerMixin):
         is_sliding (`bool`): mirrors the layer it reads from, so transformers sizes each mask type from a layer of
             that type.
         stop_after_record (`bool`): raise `PromptPassComplete` once the chunk is recorded (set on the last layer
-            where the model allows it: see `BituneModel._prompt_passes_may_stop_early`).
+            where the model allows it: see `early_stop.py`).
     """
 
     is_compileable = False

@@ -8,20 +8,37 @@ token runs causally, the new instruction minus its last token is read twice over
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol
 
 import torch
+from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from . import compat
 from .caches import BituneCache, append_key_values, pass_cache, reading_pass_cache
-from .common import CAUSAL, has_holes, max_positions, text_config
+from .common import CAUSAL, WeightSet, has_holes, max_positions, text_config
 from .inputs import attention_mask_for, check_not_empty, check_prompts, positions_for
+from .passes import BitunePasses
+from .routing import LayerRouter
+
+
+class GenerationHost(Protocol):
+    """What `BituneGenerationMixin` uses of the tuner it is mixed into (`BituneModel`), and all that it may use (a test
+    reads the mixin's source and checks it)."""
+
+    model: PreTrainedModel
+    _router: LayerRouter
+
+    def weights(self, weight_set: WeightSet) -> AbstractContextManager[None]: ...
+
+    def _passes(self) -> BitunePasses: ...
+
+    def _adapters_disabled(self) -> bool: ...
 
 
 class BituneGenerationMixin:
-    """`prefill` and `generate` of `BituneModel`."""
+    """`prefill` and `generate` of `BituneModel`; what they use of it is declared by `GenerationHost`."""
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None) -> BituneCache:
@@ -36,7 +53,7 @@ class BituneGenerationMixin:
             attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
         """
         attention_mask = check_prompts(input_ids, attention_mask, max_positions(self.model))
-        with _checkpointing_off(self._module_index().checkpoint_layers):
+        with _checkpointing_off(self._router.index.checkpoint_layers):
             return self._prefill_cache(input_ids, attention_mask)
 
     def _prefill_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> BituneCache:
@@ -82,7 +99,7 @@ class BituneGenerationMixin:
         if input_ids is None:
             raise ValueError("Bitune `generate` needs `input_ids`: the prompt is read twice by token.")
         check_not_empty(input_ids)
-        with _checkpointing_off(self._module_index().checkpoint_layers):
+        with _checkpointing_off(self._router.index.checkpoint_layers):
             return self._generate(input_ids, kwargs)
 
     def _generate(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> Any:

@@ -60,6 +60,48 @@ def check_prompts(
     return attention_mask
 
 
+def check_continuation_arguments(labels: torch.Tensor | None, prompt_mask: torch.Tensor | None) -> None:
+    """Refuse an instruction/answer boundary in a forward that continues a cache (which runs causally)."""
+    if prompt_mask is not None or labels is not None:
+        raise ValueError(
+            "`cache` continues a sequence causally, so it cannot be combined with `labels` or `prompt_mask` "
+            "(a new instruction on top of a cache is multi-turn data, not supported yet)."
+        )
+
+
+def training_sequence(
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    position_limit: int | None,
+) -> torch.Tensor:
+    """
+    What a Bitune training forward runs, `input_ids` (batch, seq) or `inputs_embeds` (batch, seq, hidden), after
+    refusing before any compute what it cannot run as asked. `kwargs` are the forward's other arguments: the switches
+    of the usual output (`return_dict`, `use_cache`) are dropped from it, the rest are checked by
+    `check_training_arguments`.
+    """
+    for unsupported in ("output_attentions", "output_hidden_states"):
+        if kwargs.pop(unsupported, None):
+            raise NotImplementedError(
+                f"`{unsupported}=True` is not supported by the Bitune forward, whose three passes have different "
+                "lengths; see `peft_bitune.visualize` for attention maps."
+            )
+    kwargs.pop("return_dict", None)
+    kwargs.pop("use_cache", None)
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+    sequence = input_ids if input_ids is not None else inputs_embeds
+    if 0 in sequence.shape[:2]:
+        raise ValueError(
+            f"The batch is empty (input of shape {tuple(sequence.shape)}): give at least one row of at least one "
+            "token."
+        )
+    check_training_arguments(kwargs, sequence.shape[:2], attention_mask, position_limit)
+    return sequence
+
+
 # Arguments of a transformers forward that the Bitune training forward cannot hand to its passes, and why.
 _ARGUMENTS_BITUNE_SETS_PER_PASS = {
     "cache_position": "each of the three passes has its own cache positions, which Bitune computes",

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,7 +19,6 @@ from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 from transformers.cache_utils import Cache
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import compat
@@ -39,12 +37,13 @@ from .common import (
 )
 from .config import BituneConfig
 from .generation import BituneGenerationMixin
-from .inputs import check_training_arguments
+from .inputs import check_continuation_arguments, training_sequence
 from .layout import ConversationLayout
 from .mixing import BituneKVMixer
-from .passes import BitunePasses, answer_loss, decoder_of
+from .passes import BitunePasses, answer_loss
 from .persistence import BituneCheckpointMixin
-from .sharding import LayerPath, check_sharding
+from .routing import LayerRouter
+from .sharding import check_sharding
 
 
 class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
@@ -105,14 +104,14 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                 inner.inject_adapter(
                     model, name, autocast_adapter_dtype=autocast_adapter_dtype, low_cpu_mem_usage=low_cpu_mem_usage
                 )
-        self._forget_module_index()
+        self._router.forget()
         if MIXERS_ATTRIBUTE not in dict(self.named_children()):
             self.add_module(MIXERS_ATTRIBUTE, nn.ModuleDict())
         device = next(p.device for p in model.parameters())
         self.bitune_mixers[adapter_name] = BituneKVMixer(num_layers(model), config.mix_init, config.mix_scale).to(
             device
         )
-        self._route_layers_to(self._inner_names(self.active_adapter)[CAUSAL])
+        self._router.route_to(self._inner_names(self.active_adapter)[CAUSAL])
         self._apply_trainable_state()
 
     def _inner_names(self, adapter_name: str) -> dict[WeightSet, str]:
@@ -128,104 +127,29 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         for adapter_name, config in self.peft_config.items():
             trainable = adapter_name == self.active_adapter and not config.inference_mode
             names = set(self._inner_names(adapter_name).values())
-            for layer in self._tuner_layers():
+            for layer in self._router.index.tuner_layers:
                 for attribute in layer.adapter_layer_names:
                     for key, module in getattr(layer, attribute).items():
                         if key in names:
                             module.requires_grad_(trainable)
             self.bitune_mixers[adapter_name].requires_grad_(trainable and config.train_mixing)
 
-    def _module_index(self) -> _ModuleIndex:
-        """The model's tuner and checkpointing layers, found once: walking the whole module tree several times per
-        step costs more than the routing itself on deep models. Rebuilt whenever adapters are added or deleted."""
-        index = self.__dict__.get("_module_index_cache")
-        if index is None:
-            index = _ModuleIndex.of(self.model)
-            self.__dict__["_module_index_cache"] = index
-        return index
-
-    def _forget_module_index(self) -> None:
-        self.__dict__.pop("_module_index_cache", None)
-
-    def _tuner_layers(self) -> tuple[BaseTunerLayer, ...]:
-        return self._module_index().tuner_layers
-
-    # ------------------------------------------------------------------ routing
-    def _route_layers_to(self, inner_name: str) -> None:
-        compat.route_layers(self._tuner_layers(), [inner_name])
-
-    @contextmanager
-    def _routed_to(self, inner_name: str) -> Iterator[None]:
-        layers = self._tuner_layers()
-        previous = [compat.routed_adapters(layer) for layer in layers]
-        try:
-            compat.route_layers(layers, [inner_name])
-            yield
-        finally:
-            for layer, active in zip(layers, previous):
-                compat.route_layers([layer], active)
+    @property
+    def _router(self) -> LayerRouter:
+        """Routes the model's layers to a weight set (see `routing.py`); made once per model, kept out of the module
+        tree."""
+        router = self.__dict__.get("_layer_router")
+        if router is None or router.model is not self.model:
+            router = self.__dict__["_layer_router"] = LayerRouter(self.model)
+        return router
 
     @contextmanager
     def weights(self, weight_set: WeightSet) -> Iterator[None]:
         """Run the model with one weight set of the active adapter; restores the previous routing on exit."""
         if weight_set not in WEIGHT_SETS:
             raise ValueError(f"`weight_set` must be one of {WEIGHT_SETS}, got {weight_set!r}.")
-        with self._routed_to(self._inner_names(self.active_adapter)[weight_set]):
+        with self._router.routed_to(self._inner_names(self.active_adapter)[weight_set]):
             yield
-
-    @contextmanager
-    def _checkpointing_keeps_caches(self) -> Iterator[None]:
-        """
-        Make gradient checkpointing work across the three passes.
-
-        transformers drops caches in checkpointed layers; ours are safe to keep because they are idempotent (prompt
-        passes overwrite their record, the answer pass stores nothing). A layer is recomputed during backward, after
-        its pass has ended, so the recomputation is told to run under the weights of the pass that first ran it.
-        Reentrant checkpointing silently loses the key/value projections' gradients, so it is refused.
-        """
-        checkpointing = self._checkpointing_layers()
-        if not checkpointing:
-            yield
-            return
-        if any(compat.uses_reentrant_checkpointing(layer) for layer in checkpointing):
-            raise ValueError(
-                "Bitune needs non-reentrant gradient checkpointing (reentrant checkpointing drops the gradients "
-                "of the key/value projections that flow through the mixed cache). Enable it with "
-                f"{compat.checkpointing_hint()}."
-            )
-        with compat.checkpointed_layers_keep_caches(checkpointing, self._recompute_with_same_weights):
-            yield
-
-    def _prompt_passes_may_stop_early(self) -> bool:
-        """
-        Whether a prompt pass may end as soon as the last layer has recorded its keys/values (`PromptPassComplete`).
-
-        Leaving the decoder by an exception skips whatever was to run after the forwards it leaves. So the passes run
-        to the end under gradient checkpointing (a checkpointed layer's recomputation state would be left to the
-        garbage collector) and whenever something hooks into the decoder forwards the stop leaves or skips (all but
-        those of the earlier layers, which finish): accelerate (offloading, device maps), FSDP, DeepSpeed ZeRO-3 or the
-        user's own hooks. Only those modules are checked: a walk of the whole model costs milliseconds on deep models.
-        """
-        if self._checkpointing_layers():
-            return False
-        return not compat.forwards_are_hooked(self._module_index().early_exit_path)
-
-    def _checkpointing_layers(self) -> list[GradientCheckpointingLayer]:
-        """The layers that will checkpoint in this forward (checkpointing enabled, training mode)."""
-        return [m for m in self._module_index().checkpoint_layers if m.gradient_checkpointing and m.training]
-
-    def _recompute_with_same_weights(self, checkpoint_func: Any) -> Any:
-        def checkpoint_in_pass(function: Any, *args: Any, **kwargs: Any) -> Any:
-            routed = compat.routed_adapters(self._tuner_layers()[0])[0]
-            if "context_fn" in kwargs:
-                raise ValueError(
-                    "Bitune sets the checkpoint `context_fn` itself; remove it from the checkpoint kwargs."
-                )
-            return checkpoint_func(
-                function, *args, context_fn=lambda: (nullcontext(), self._routed_to(routed)), **kwargs
-            )
-
-        return checkpoint_in_pass
 
     # ------------------------------------------------------------------ state
     @property
@@ -246,7 +170,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             raise ValueError(f"Adapter `{adapter_name}` not found; available: {sorted(self.peft_config)}.")
 
     def _adapters_disabled(self) -> bool:
-        return any(layer.disable_adapters for layer in self._tuner_layers())
+        return any(layer.disable_adapters for layer in self._router.index.tuner_layers)
 
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
         """Make `adapter_name` the active Bitune adapter (one at a time: two Bitune adapters cannot be combined)."""
@@ -261,7 +185,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         self.active_adapter = adapter_name
         if inference_mode:
             self.peft_config[adapter_name].inference_mode = True
-        self._route_layers_to(self._inner_names(adapter_name)[CAUSAL])
+        self._router.route_to(self._inner_names(adapter_name)[CAUSAL])
         self._apply_trainable_state()
 
     def delete_adapter(self, adapter_name: str) -> None:
@@ -271,13 +195,13 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             raise ValueError("Cannot delete the only Bitune adapter of the model; unload the model instead.")
         for name in set(self._inner_names(adapter_name).values()):
             self._inner_tuner.delete_adapter(name)
-        self._forget_module_index()
+        self._router.forget()
         del self.bitune_mixers[adapter_name]
         del self.peft_config[adapter_name]
         if adapter_name == self.active_adapter:
             self.set_adapter(next(iter(self.peft_config)))
         else:
-            self._route_layers_to(self._inner_names(self.active_adapter)[CAUSAL])
+            self._router.route_to(self._inner_names(self.active_adapter)[CAUSAL])
 
     def set_requires_grad(self, adapter_names: str | list[str], requires_grad: bool = True) -> None:
         """Enable or disable the gradients of Bitune adapters: both weight sets, and the mixing scalars unless the
@@ -289,7 +213,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             raise ValueError(f"Adapters {unknown} not found; available: {sorted(self.peft_config)}.")
         for name in names:
             inner_names = sorted(set(self._inner_names(name).values()))
-            for layer in self._tuner_layers():
+            for layer in self._router.index.tuner_layers:
                 layer.set_requires_grad(adapter_names=inner_names, requires_grad=requires_grad)
             self.bitune_mixers[name].requires_grad_(requires_grad and self.peft_config[name].train_mixing)
 
@@ -297,7 +221,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         """Enable the adapters again. PEFT re-activates each layer's routed adapter only, which would leave the
         bidirectional weight set frozen for good; both weight sets and the mixing scalars train again instead."""
         super().enable_adapter_layers()
-        self._route_layers_to(self._inner_names(self.active_adapter)[CAUSAL])
+        self._router.route_to(self._inner_names(self.active_adapter)[CAUSAL])
         self._apply_trainable_state()
 
     def disable_adapter_layers(self) -> None:
@@ -390,7 +314,12 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         """
         kwargs[compat.NEW_CACHE_NAME] = cache
         cache = compat.pop_cache(kwargs)  # `cache`, or its old name `past_key_values`
-        if self._adapters_disabled():
+        disabled = self._adapters_disabled()
+        if cache is not None and not disabled:
+            check_continuation_arguments(labels, prompt_mask)
+        if disabled or cache is not None:
+            # The base model alone, or a causal continuation of the cache with the causal weights (routed between
+            # passes).
             return self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -399,36 +328,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                 **compat.with_cache(self.model, cache),
                 **kwargs,
             )
-        if cache is not None:
-            if prompt_mask is not None or labels is not None:
-                raise ValueError(
-                    "`cache` continues a sequence causally, so it cannot be combined with `labels` or `prompt_mask` "
-                    "(a new instruction on top of a cache is multi-turn data, not supported yet)."
-                )
-            return self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                inputs_embeds=inputs_embeds,
-                **compat.with_cache(self.model, cache),
-                **kwargs,
-            )
-        for unsupported in ("output_attentions", "output_hidden_states"):
-            if kwargs.pop(unsupported, None):
-                raise NotImplementedError(
-                    f"`{unsupported}=True` is not supported by the Bitune forward, whose three passes have different "
-                    "lengths; see `peft_bitune.visualize` for attention maps."
-                )
-        kwargs.pop("return_dict", None)
-        kwargs.pop("use_cache", None)
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
-        sequence = input_ids if input_ids is not None else inputs_embeds
-        if 0 in sequence.shape[:2]:
-            raise ValueError(
-                f"The batch is empty (input of shape {tuple(sequence.shape)}): give at least one row of at least one "
-                "token."
-            )
-        check_training_arguments(kwargs, sequence.shape[:2], attention_mask, max_positions(self.model))
+        sequence = training_sequence(input_ids, inputs_embeds, attention_mask, kwargs, max_positions(self.model))
         layout = ConversationLayout.from_inputs(
             sequence.shape,
             attention_mask,
@@ -437,8 +337,8 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             device=sequence.device,
             mode=self.peft_config[self.active_adapter].multi_turn,
         )
-        check_sharding(self._module_index().decoder_layer_paths, num_layers(self.model), self.mixer)
-        with self._checkpointing_keeps_caches():
+        check_sharding(self._router.index.decoder_layer_paths, num_layers(self.model), self.mixer)
+        with self._router.checkpointing_keeps_caches():
             answer_logits = self._passes().run_layout(layout, sequence)
         loss = None
         if labels is not None:
@@ -453,35 +353,8 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             weights=self.weights,
             mixer=self.mixer,
             second_pass_attention=self.peft_config[self.active_adapter].second_pass_attention,
-            stop_early=self._prompt_passes_may_stop_early(),
-            decoder_layer_paths=self._module_index().decoder_layer_paths,
-        )
-
-
-@dataclass(frozen=True)
-class _ModuleIndex:
-    """The modules of the base model that Bitune touches on every pass."""
-
-    tuner_layers: tuple[BaseTunerLayer, ...]
-    checkpoint_layers: tuple[GradientCheckpointingLayer, ...]
-    # The decoder's modules that a prompt pass stopped at the last layer's keys/values leaves early or skips: all but
-    # those inside the earlier decoder layers, which finish before it stops.
-    early_exit_path: tuple[nn.Module, ...]
-    # Where each decoder layer sits in the model, in layer order: FSDP units and wrappers are found along these.
-    decoder_layer_paths: tuple[LayerPath, ...]
-
-    @classmethod
-    def of(cls, model: nn.Module) -> _ModuleIndex:
-        modules = list(model.modules())
-        decoder = decoder_of(model)
-        decoder_layers = [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
-        finished = {id(m) for layer in decoder_layers[:-1] for m in layer.modules()}
-        layer_names = {id(m): name for name, m in model.named_modules()}
-        return cls(
-            tuple(m for m in modules if isinstance(m, BaseTunerLayer)),
-            tuple(m for m in modules if isinstance(m, GradientCheckpointingLayer)),
-            tuple(m for m in decoder.modules() if id(m) not in finished),
-            tuple(LayerPath.of(model, layer_names[id(layer)]) for layer in decoder_layers),
+            stop_early=self._router.prompt_passes_may_stop_early(),
+            decoder_layer_paths=self._router.index.decoder_layer_paths,
         )
 
 

@@ -24,8 +24,9 @@ from torch.nn import functional as F
 from transformers.cache_utils import Cache
 
 from . import compat
-from .caches import PromptPassComplete, mix_recorded, pass_cache, recorded_key_values
+from .caches import mix_recorded, pass_cache, recorded_key_values
 from .common import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, SecondPassAttention, WeightSet, num_layers
+from .early_stop import ending_at_complete_record
 from .layout import Chunk, ConversationLayout, Turn
 from .mixing import BituneKVMixer
 from .sharding import LayerPath, unshard_before_backward
@@ -44,7 +45,7 @@ class BitunePasses:
         mixer (`BituneKVMixer`): the active adapter's mixing scalars.
         second_pass_attention (`str`): the mask of the bidirectional prompt pass (`"causal"` is the paper's ablation).
         stop_early (`bool`): whether a prompt pass may end once the last layer has recorded its keys/values (see
-            `BituneModel._prompt_passes_may_stop_early`).
+            `early_stop.may_end_early`).
         decoder_layer_paths (`Sequence[LayerPath]`): where each decoder layer sits, to find FSDP2 units.
     """
 
@@ -100,14 +101,11 @@ class BitunePasses:
 
     def prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: torch.Tensor) -> None:
         """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used; a
-        cache that stops the pass after its last layer's keys/values ends it there)."""
+        cache that stops the pass after its last layer's keys/values ends it there, see `early_stop.py`)."""
         is_causal = weight_set == CAUSAL or self.second_pass_attention == CAUSAL
-        with self.weights(weight_set):
-            try:
-                decoder = decoder_of(self.model)
-                decoder(**compat.with_cache(decoder, cache), use_cache=False, is_causal=is_causal, **inputs)
-            except PromptPassComplete:
-                pass
+        decoder = decoder_of(self.model)
+        with self.weights(weight_set), ending_at_complete_record():
+            decoder(**compat.with_cache(decoder, cache), use_cache=False, is_causal=is_causal, **inputs)
 
     def answer_pass(
         self, chunk: Chunk, sequence: torch.Tensor, cache: TrainingCache | None, record: bool

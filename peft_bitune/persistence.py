@@ -23,7 +23,7 @@ loads belongs anywhere.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from peft import PeftModel
@@ -40,8 +40,19 @@ _PEFT_PREFIX = "base_model.model."
 _SHOWN_KEYS = 5
 
 
+class CheckpointHost(Protocol):
+    """What `BituneCheckpointMixin` uses of the tuner class it is mixed into (`BituneModel`, through PEFT's
+    `BaseTuner`), and all that it may use (a test reads the mixin's source and checks it)."""
+
+    @classmethod
+    def _get_learnable_bias_state_dict(
+        cls, model: nn.Module, state_dict: dict[str, torch.Tensor], config: Any
+    ) -> dict[str, torch.Tensor]: ...
+
+
 class BituneCheckpointMixin:
-    """Checkpoint-key hooks of `BituneModel` (PEFT calls them through `PEFT_TYPE_TO_TUNER_MAPPING`)."""
+    """Checkpoint-key hooks of `BituneModel` (PEFT calls them through `PEFT_TYPE_TO_TUNER_MAPPING`); what they use of
+    it is declared by `CheckpointHost`."""
 
     # The mixing scalars live on the tuner, not on the layers. PEFT's `inject_adapter_in_model` (used by transformers'
     # own adapter loading: `model.load_adapter(path)`, `AutoModelForCausalLM.from_pretrained(<adapter>)`) keeps only

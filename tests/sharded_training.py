@@ -204,7 +204,7 @@ def run_case(case: dict, output_dir: Path) -> None:
     sharded = SHARDINGS[case["sharding"]](model)
     # Whether a prompt pass may end at the last layer's keys/values, as seen under this sharding.
     outcome: dict = {
-        "stops_early": model.base_model._prompt_passes_may_stop_early(),
+        "stops_early": model.base_model._router.prompt_passes_may_stop_early(),
         "fsdp2_units": fsdp2_units(model),
     }
     try:

@@ -113,3 +113,55 @@ def test_every_public_top_level_name_is_defined_once():
                     defined[defined_name].append(name)
     twice = {name: modules for name, modules in defined.items() if len(modules) > 1}
     assert not twice, f"Defined in more than one module (define each once, import it elsewhere): {twice}"
+
+
+# ------------------------------------------------------------------------------------------- the mixins' contracts
+def members_used_on_the_host(source: str, class_name: str) -> set[str]:
+    """The attributes a class's methods read on `self` or `cls` that the class body does not define itself."""
+    tree = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == class_name)
+    own = {
+        node.name if not isinstance(node, ast.AnnAssign) else node.target.id
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.AnnAssign))
+    }
+    own |= {target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets}
+    used = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+    }
+    return used - own
+
+
+def protocol_members(protocol: type) -> set[str]:
+    return {name for name in vars(protocol) if not name.startswith("__") and name != "_is_protocol"} | set(
+        protocol.__annotations__
+    )
+
+
+def test_the_host_member_finder_sees_reads_on_self_and_cls():
+    source = (
+        "class Mixin:\n"
+        "    flag: bool = True\n"
+        "    def own(self): return self.flag or self.other()\n"
+        "    @classmethod\n"
+        "    def hook(cls): return cls.own, cls.from_host\n"
+    )
+    assert members_used_on_the_host(source, "Mixin") == {"other", "from_host"}
+
+
+def test_the_mixins_of_the_tuner_use_only_what_their_host_protocols_declare(load_base):
+    from peft_bitune import generation, persistence
+    from reference import make_bitune
+
+    tuner = make_bitune(load_base("llama")).base_model
+    for module, mixin, protocol in (
+        (generation, generation.BituneGenerationMixin, generation.GenerationHost),
+        (persistence, persistence.BituneCheckpointMixin, persistence.CheckpointHost),
+    ):
+        declared = protocol_members(protocol)
+        used = members_used_on_the_host(Path(module.__file__).read_text(encoding="utf-8"), mixin.__name__)
+        undeclared = sorted(used - declared)
+        assert not undeclared, f"{mixin.__name__} uses {undeclared} of its host; declare them in {protocol.__name__}."
+        missing = sorted(name for name in declared if not hasattr(tuner, name))
+        assert not missing, f"BituneModel lacks {missing}, which {protocol.__name__} declares."
