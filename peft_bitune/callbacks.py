@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .model import BituneModel, require_bitune_tuner
+from .lookup import require_bitune_tuner
+from .model import BituneModel
 
 LOG_PREFIX = "bitune/"
 

@@ -1,9 +1,9 @@
-"""`BituneModel`: the PEFT tuner of Bitune adapters, i.e. PEFT's bookkeeping around the passes of `passes.py`.
+"""`BituneModel`: the PEFT tuner of Bitune adapters. Its own code is the adapters' lifecycle.
 
-It creates the two weight sets of each adapter in the inner PEFT method and the mixing scalars, routes the layers to
-one weight set per pass, keeps the right weights trainable, refuses what a Bitune adapter cannot do (merging,
-weighted combination), checks the training forward's input before any compute, and hands it to `BitunePasses`.
-Saving and loading are in `persistence.py`, generation in `generation.py`.
+It creates the two weight sets of each adapter in the inner PEFT method and the mixing scalars, switches, deletes,
+freezes and unfreezes adapters, and refuses what a Bitune adapter cannot do (merging, weighted combination). The rest
+is mixed in or held: the training forward (`forward.py`), generation (`generation.py`), checkpoint keys
+(`persistence.py`), and the routing of the layers to one weight set per pass (`routing.py`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from peft import PeftModel
 from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
-from transformers.cache_utils import Cache
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import compat
 from .common import (
     BIDIRECTIONAL,
     BITUNE_PREFIX,
@@ -31,22 +27,19 @@ from .common import (
     WEIGHT_SETS,
     WeightSet,
     inner_adapter_name,
-    max_positions,
     num_layers,
     text_config,
 )
 from .config import BituneConfig
+from .forward import BituneForwardMixin
 from .generation import BituneGenerationMixin
-from .inputs import check_continuation_arguments, training_sequence
-from .layout import ConversationLayout
 from .mixing import BituneKVMixer
-from .passes import BitunePasses, answer_loss
+from .passes import BitunePasses
 from .persistence import BituneCheckpointMixin
 from .routing import LayerRouter
-from .sharding import check_sharding
 
 
-class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
+class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMixin, BaseTuner):
     """
     Bitune (bidirectional instruction tuning) on top of any PEFT method that supports several adapters.
 
@@ -271,81 +264,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             "combined data."
         )
 
-    # ------------------------------------------------------------------ forward
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        labels: torch.LongTensor | None = None,
-        prompt_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        num_items_in_batch: int | torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
-        """
-        The Bitune training forward.
-
-        Args:
-            input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): instruction then answer, padded left or
-                right.
-            attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
-            inputs_embeds (`torch.FloatTensor` of shape (batch_size, seq_len, hidden_size), *optional*): instead of
-                ids.
-            labels (`torch.LongTensor` of shape (batch_size, seq_len), *optional*): targets aligned with the input,
-                -100 where there is no loss. Without `prompt_mask`, the instruction is the unsupervised tokens before
-                the first supervised one.
-            prompt_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on instruction tokens. When
-                given, labels on instruction tokens are not used: the loss is on answer tokens only.
-            cache (`Cache`, *optional*): continue decoding from a cache (e.g. from `prefill`); the input is then run
-                causally with the causal weights, exactly like a decoding step of `generate`. `past_key_values`, its
-                name before transformers 5.24, is accepted too.
-            num_items_in_batch (`int`, *optional*): the number of supervised tokens the loss is averaged over (passed
-                by `Trainer` under gradient accumulation); defaults to this batch's count.
-            kwargs: other arguments of the model's forward. The three passes cover different parts of each row, so
-                none is handed on: `position_ids` are accepted when they are the ordinary positions every pass uses
-                anyway (0, 1, ... over each row's real tokens), `logits_to_keep` when 0; anything else (e.g. packed
-                `position_ids`, `cache_position`, `token_type_ids`) is refused by name before any compute.
-
-        Returns:
-            `CausalLMOutputWithPast` whose `logits` (batch_size, seq_len, vocab) are aligned with the input. Positions
-            before the last instruction token hold zeros: their logits are never used, and the LM head over a long
-            prompt with a large vocabulary is not free.
-        """
-        kwargs[compat.NEW_CACHE_NAME] = cache
-        cache = compat.pop_cache(kwargs)  # `cache`, or its old name `past_key_values`
-        disabled = self._adapters_disabled()
-        if cache is not None and not disabled:
-            check_continuation_arguments(labels, prompt_mask)
-        if disabled or cache is not None:
-            # The base model alone, or a causal continuation of the cache with the causal weights (routed between
-            # passes).
-            return self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                inputs_embeds=inputs_embeds,
-                labels=labels,
-                **compat.with_cache(self.model, cache),
-                **kwargs,
-            )
-        sequence = training_sequence(input_ids, inputs_embeds, attention_mask, kwargs, max_positions(self.model))
-        layout = ConversationLayout.from_inputs(
-            sequence.shape,
-            attention_mask,
-            labels,
-            prompt_mask,
-            device=sequence.device,
-            mode=self.peft_config[self.active_adapter].multi_turn,
-        )
-        check_sharding(self._router.index.decoder_layer_paths, num_layers(self.model), self.mixer)
-        with self._router.checkpointing_keeps_caches():
-            answer_logits = self._passes().run_layout(layout, sequence)
-        loss = None
-        if labels is not None:
-            loss = answer_loss(answer_logits, [turn.answer.labels for turn in layout.turns], num_items_in_batch)
-        logits = layout.scatter_answers(answer_logits, sequence.shape[0], sequence.shape[1])
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
-
+    # ------------------------------------------------------------------ passes
     def _passes(self) -> BitunePasses:
         """The passes of a forward of the active adapter, as the model is wrapped now."""
         return BitunePasses(
@@ -376,35 +295,3 @@ def _check_model_supported(model: nn.Module) -> None:
         )
     if not hasattr(text_config(model), "num_hidden_layers"):
         raise ValueError(f"Cannot find `num_hidden_layers` in the config of {type(model).__name__}.")
-
-
-def find_bitune_tuner(model: nn.Module) -> BituneModel | None:
-    """The `BituneModel` of `model`: the tuner itself, the one inside a Bitune `PeftModel`, or the one inside a model
-    wrapped by DDP, FSDP or accelerate. `None` if there is none (`require_bitune_tuner` refuses that instead)."""
-    if isinstance(model, BituneModel):
-        return model
-    base_model = getattr(model, "base_model", None)
-    if isinstance(base_model, BituneModel):
-        return base_model
-    return next((module for module in model.modules() if isinstance(module, BituneModel)), None)
-
-
-class NotABituneModelError(TypeError, ValueError):
-    """A model without a Bitune adapter where one is needed. A `TypeError` (the argument is of the wrong kind) and a
-    `ValueError` (as PEFT's own refusals of a model), so that code catching either one catches it."""
-
-
-def require_bitune_tuner(model: Any, needed_for: str, otherwise: str = "") -> BituneModel:
-    """
-    The `BituneModel` of `model` (see `find_bitune_tuner`); refuses a model without one, saying what it was
-    `needed_for` ("to draw its attention maps"), what was given, and what to do `otherwise`.
-    """
-    tuner = find_bitune_tuner(model) if isinstance(model, nn.Module) else None
-    if tuner is not None:
-        return tuner
-    inner = model.base_model if isinstance(model, PeftModel) else None
-    given = type(model).__name__ + (f" with a {type(inner).__name__}" if inner is not None else "")
-    raise NotABituneModelError(
-        f"Expected a Bitune model {needed_for} (a `PeftModel` with a Bitune adapter, made with a `BituneConfig`, or "
-        f"its `BituneModel`), got a {given}, which holds none. {otherwise}".rstrip()
-    )

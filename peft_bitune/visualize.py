@@ -30,8 +30,9 @@ from .callbacks import layer_log_key, mean_log_key
 from .common import BIDIRECTIONAL, CAUSAL, WeightSet, format_rows, has_holes, is_bitune_type, text_config
 from .config import BituneConfig
 from .inputs import attention_mask_for, positions_for
+from .lookup import require_bitune_tuner
 from .mixing import BituneKVMixer
-from .model import BituneModel, require_bitune_tuner
+from .model import BituneModel
 from .persistence import MIXER_CHECKPOINT_KEYS
 
 if TYPE_CHECKING:

@@ -82,7 +82,7 @@ def test_the_cycle_finder_finds_cycles():
 def test_the_import_graph_sees_imports_at_the_top_and_inside_functions():
     graph = import_graph()
     assert "peft_bitune.common" in graph["peft_bitune.model"]  # `from .common import (...)`
-    assert "peft_bitune.compat" in graph["peft_bitune.model"]  # `from . import compat`
+    assert "peft_bitune.compat" in graph["peft_bitune.forward"]  # `from . import compat`
     assert "peft_bitune.model_card" in graph["trl_integration.trainer"]  # imported inside a method
     assert "peft_bitune" in graph["trl_integration.trainer"]  # `from peft_bitune import ...`: the package itself
 
@@ -151,11 +151,12 @@ def test_the_host_member_finder_sees_reads_on_self_and_cls():
 
 
 def test_the_mixins_of_the_tuner_use_only_what_their_host_protocols_declare(load_base):
-    from peft_bitune import generation, persistence
+    from peft_bitune import forward, generation, persistence
     from reference import make_bitune
 
     tuner = make_bitune(load_base("llama")).base_model
     for module, mixin, protocol in (
+        (forward, forward.BituneForwardMixin, forward.ForwardHost),
         (generation, generation.BituneGenerationMixin, generation.GenerationHost),
         (persistence, persistence.BituneCheckpointMixin, persistence.CheckpointHost),
     ):

@@ -39,7 +39,7 @@ from trl.trainer.utils import entropy_from_logits
 from peft_bitune import BituneConfig, BituneMixingCallback, BituneModel, compat
 from peft_bitune.callbacks import gathered_mixing_scalars
 from peft_bitune.common import IGNORE_INDEX, format_rows
-from peft_bitune.model import find_bitune_tuner
+from peft_bitune.lookup import find_bitune_tuner
 
 from .config import BituneSFTConfig, refuse_packing
 

@@ -61,7 +61,7 @@ from peft_bitune import BituneConfig, compat
 from peft_bitune.evaluation import wheel_data
 from peft_bitune.evaluation.harness import BituneLM, PrefillOnceLM
 from peft_bitune.evaluation.tasks import PAPER_TASKS
-from peft_bitune.model import find_bitune_tuner
+from peft_bitune.lookup import find_bitune_tuner
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
 
 EXAMPLES = Path(__file__).resolve().parents[1]

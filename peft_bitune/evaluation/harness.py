@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from .. import compat
 from ..common import CAUSAL, is_bitune_type, peft_type_name
 from ..inputs import positions_for
-from ..model import require_bitune_tuner
+from ..lookup import require_bitune_tuner
 
 logger = logging.getLogger(__name__)
 
