@@ -1,8 +1,8 @@
 """Bitune for PEFT: `get_peft_model(model, BituneConfig(...))` reads the instruction twice (causal and bidirectional
 weights), mixes the two KV caches with learned per-layer scalars, and trains and generates on the answer.
 
-Importing this package registers the "BITUNE" PEFT type, which `PeftModel.from_pretrained` needs to load an adapter,
-and the check that refuses pickled saves of a Bitune `PeftModel` before anything is written (see `safe_saving.py`).
+Importing this package registers the "BITUNE" PEFT type, which `PeftModel.from_pretrained` needs to load an adapter.
+Bitune adapters are safetensors only (see `safetensors_only.py`).
 """
 
 from .caches import BituneCache
@@ -13,7 +13,6 @@ from .hub import push_to_hub
 from .mixing import BituneKVMixer, mix_key_values
 from .model import BituneModel
 from .registration import register_bitune
-from .safe_saving import guard_bitune_saving
 
 __all__ = [
     "BIDIRECTIONAL",
@@ -30,4 +29,3 @@ __all__ = [
 ]
 
 register_bitune()
-guard_bitune_saving()

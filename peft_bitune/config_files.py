@@ -2,7 +2,8 @@
 
 - Reading refuses fields this version does not know. PEFT's own configs drop them with a warning (for forward
   compatibility), but a Bitune field changes how the adapter runs, so dropping one would silently run it differently.
-- Reading refuses an adapter whose weights exist only as `adapter_model.bin`: PEFT would unpickle it.
+- Reading refuses an adapter whose weights exist only as `adapter_model.bin`: PEFT would unpickle it (see
+  `safetensors_only.py`).
 - Writing refuses to finish next to an `adapter_model.bin` (`save_pretrained(safe_serialization=False)`), and writes
   the model card (see `model_card.py`), since PEFT writes the config of every adapter it saves, each in its own folder.
 """
@@ -13,11 +14,11 @@ import dataclasses
 from typing import Any
 
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
-from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
+from peft.utils import CONFIG_NAME
 
 from . import compat
-from .hub import has_only_pickled_weights, refuse_pickled_weights_in
 from .model_card import write_model_card
+from .safetensors_only import refuse_pickle_only_adapter, refuse_pickled_weights_in
 
 _UPGRADE = "It was probably written by a newer version; upgrade with `pip install -U {package}`."
 
@@ -38,14 +39,7 @@ class BituneConfigFileMixin:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs: Any) -> Any:
         config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
-        hub_kwargs = compat.hub_kwargs(cls, kwargs)
-        if has_only_pickled_weights(str(pretrained_model_name_or_path), subfolder, **hub_kwargs):
-            raise ValueError(
-                f"The Bitune adapter at '{pretrained_model_name_or_path}' has its weights only as {WEIGHTS_NAME}, a "
-                f"pickle, which peft-bitune never reads. Convert it to {SAFETENSORS_WEIGHTS_NAME} where you trust the "
-                "file (`safetensors.torch.save_file(torch.load(path, weights_only=True), new_path)`), or save the "
-                "adapter again with `save_pretrained` (safetensors by default)."
-            )
+        refuse_pickle_only_adapter(str(pretrained_model_name_or_path), subfolder, **compat.hub_kwargs(cls, kwargs))
         return config
 
     def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:

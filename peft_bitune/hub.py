@@ -1,4 +1,4 @@
-"""Bitune adapters on the Hugging Face Hub: pushing with the adapter's own model card, and refusing pickled weights.
+"""Bitune adapters on the Hugging Face Hub: pushing with the adapter's own model card.
 
 `model.push_to_hub(repo_id)` (transformers' `PushToHubMixin`, which `PeftModel` inherits) uploads the adapter, but
 replaces the README.md that `save_pretrained` wrote with the card already on the Hub or a generic transformers one;
@@ -12,9 +12,7 @@ import os
 import tempfile
 from typing import Any
 
-import huggingface_hub
-from huggingface_hub import CommitInfo, HfApi, file_exists, try_to_load_from_cache
-from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
+from huggingface_hub import CommitInfo, HfApi
 
 from .common import is_bitune_type
 from .model_card import write_model_card
@@ -71,38 +69,3 @@ def push_to_hub(
             revision=revision,
             create_pr=create_pr,
         )
-
-
-def refuse_pickled_weights_in(folder: str, not_done: str) -> None:
-    """Refuse to save into a folder that holds `adapter_model.bin` (a pickle), which peft-bitune never reads; the
-    error ends with `not_done`, what was therefore not written."""
-    if os.path.isfile(os.path.join(folder, WEIGHTS_NAME)):
-        raise ValueError(
-            f"'{folder}' holds {WEIGHTS_NAME} (a pickle, e.g. from an earlier `save_pretrained(..., "
-            f"safe_serialization=False)`), which peft-bitune never reads. Bitune adapters are saved as "
-            f"{SAFETENSORS_WEIGHTS_NAME} only: delete {WEIGHTS_NAME}, or save into another folder. {not_done}"
-        )
-
-
-def has_only_pickled_weights(model_id: str, subfolder: str | None = None, **hub_kwargs: Any) -> bool:
-    """
-    Whether PEFT would read `adapter_model.bin` (a pickle) for this adapter because there is no
-    `adapter_model.safetensors`: in the local folder, or in the Hub repo (its local cache when offline).
-    """
-    folder = os.path.join(model_id, subfolder) if subfolder else model_id
-    if os.path.isdir(folder):
-        return not os.path.isfile(os.path.join(folder, SAFETENSORS_WEIGHTS_NAME)) and os.path.isfile(
-            os.path.join(folder, WEIGHTS_NAME)
-        )
-    revision, repo_type = hub_kwargs.get("revision"), hub_kwargs.get("repo_type")
-
-    def in_repo(name: str) -> bool:
-        filename = f"{subfolder}/{name}" if subfolder else name
-        if huggingface_hub.constants.HF_HUB_OFFLINE or hub_kwargs.get("local_files_only"):
-            cached = try_to_load_from_cache(
-                model_id, filename, cache_dir=hub_kwargs.get("cache_dir"), revision=revision, repo_type=repo_type
-            )
-            return isinstance(cached, str)
-        return file_exists(model_id, filename, revision=revision, repo_type=repo_type, token=hub_kwargs.get("token"))
-
-    return not in_repo(SAFETENSORS_WEIGHTS_NAME) and in_repo(WEIGHTS_NAME)

@@ -1,4 +1,5 @@
-"""What a Bitune training forward or `generate` is given, checked before any compute.
+"""What Bitune is given, checked before any compute: the base model (before an adapter's weights are created), and
+the arguments of a training forward or of `generate`.
 
 The passes cover different parts of each row, so some arguments of a transformers forward cannot be handed on, and
 Bitune's prompts and rows have shapes a plain causal LM does not require (left-padded prompts, one contiguous run of
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .common import check_fits_positions, check_mask_shape, first_true, format_rows, has_holes
+from .common import check_fits_positions, check_mask_shape, first_true, format_rows, has_holes, text_config
 
 
 def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -157,3 +158,23 @@ def _check_ordinary_positions(position_ids: torch.Tensor, valid: torch.Tensor) -
             "into one (`packing=True` or `padding_free=True` in TRL), which Bitune does not support: train on padded "
             "batches. Otherwise remove `position_ids`."
         )
+
+
+def check_base_model_supported(model: Any) -> None:
+    """Refuse, before any weights are created, a model Bitune cannot run on."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generate") or not hasattr(model, "get_decoder"):
+        raise ValueError(
+            f"Bitune needs a transformers causal language model (e.g. `AutoModelForCausalLM`), got "
+            f"{type(model).__name__}."
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"Bitune tunes decoder-only models; {type(model).__name__} is an encoder-decoder model."
+        )
+    if getattr(text_config(model), "use_cache", None) is None:
+        raise ValueError(
+            f"Bitune reads the prompt into a KV cache, and {type(model).__name__} has no KV cache support."
+        )
+    if not hasattr(text_config(model), "num_hidden_layers"):
+        raise ValueError(f"Cannot find `num_hidden_layers` in the config of {type(model).__name__}.")

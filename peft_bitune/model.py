@@ -28,15 +28,16 @@ from .common import (
     WeightSet,
     inner_adapter_name,
     num_layers,
-    text_config,
 )
 from .config import BituneConfig
 from .forward import BituneForwardMixin
 from .generation import BituneGenerationMixin
+from .inputs import check_base_model_supported
 from .mixing import BituneKVMixer
 from .passes import BitunePasses
 from .persistence import BituneCheckpointMixin
 from .routing import LayerRouter
+from .safetensors_only import stop_watching, watch_for_peft_model
 
 
 class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMixin, BaseTuner):
@@ -46,10 +47,7 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
     The inner method (LoRA by default) holds two weight sets per Bitune adapter, `"<name>__causal"` and
     `"<name>__bidirectional"`; the tuner itself holds the per-layer mixing scalars. A training forward reads the
     instruction twice (bidirectional and causal weights), mixes the two key/value caches and runs the answer causally
-    over the mix: see `passes.py`.
-
-    Passes are routed to their weights through the layers' active adapter, inside a context manager that restores it;
-    `requires_grad` is never touched there, so both weight sets always train.
+    over the mix: see `passes.py`. Each pass runs with its weight set through `routing.py`.
 
     Args:
         model (`transformers.PreTrainedModel`): a decoder-only causal LM with a KV cache.
@@ -62,6 +60,10 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
     target_module_mapping: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------------ construction
+    def __init__(self, model: nn.Module, peft_config: Any, adapter_name: str = "default", **kwargs: Any) -> None:
+        super().__init__(model, peft_config, adapter_name, **kwargs)
+        watch_for_peft_model(self)  # the PeftModel it is attached to must refuse pickled saves
+
     def inject_adapter(
         self,
         model: nn.Module,
@@ -74,7 +76,7 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
         config: BituneConfig = self.peft_config[adapter_name]
         if not isinstance(config, BituneConfig):
             raise TypeError(f"BituneModel holds only Bitune adapters; `{adapter_name}` has a {type(config).__name__}.")
-        _check_model_supported(model)
+        check_base_model_supported(model)
         if INNER_SEPARATOR in adapter_name:
             raise ValueError(f"Bitune adapter names cannot contain '{INNER_SEPARATOR}', got `{adapter_name}`.")
         inner = self.__dict__.get("_inner_tuner")
@@ -227,6 +229,7 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
         self._apply_trainable_state()
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        stop_watching(self)  # PEFT calls this right after attaching the tuner to its PeftModel
         for name in set(self._inner_names(adapter_name).values()):
             self._inner_tuner._cast_adapter_dtype(name, autocast_adapter_dtype=autocast_adapter_dtype)
 
@@ -275,23 +278,3 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
             stop_early=self._router.prompt_passes_may_stop_early(),
             decoder_layer_paths=self._router.index.decoder_layer_paths,
         )
-
-
-def _check_model_supported(model: nn.Module) -> None:
-    """Refuse, before any weights are created, a model Bitune cannot run on."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "generate") or not hasattr(model, "get_decoder"):
-        raise ValueError(
-            f"Bitune needs a transformers causal language model (e.g. `AutoModelForCausalLM`), got "
-            f"{type(model).__name__}."
-        )
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"Bitune tunes decoder-only models; {type(model).__name__} is an encoder-decoder model."
-        )
-    if getattr(text_config(model), "use_cache", None) is None:
-        raise ValueError(
-            f"Bitune reads the prompt into a KV cache, and {type(model).__name__} has no KV cache support."
-        )
-    if not hasattr(text_config(model), "num_hidden_layers"):
-        raise ValueError(f"Cannot find `num_hidden_layers` in the config of {type(model).__name__}.")

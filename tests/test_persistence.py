@@ -4,6 +4,7 @@ an offline Hugging Face cache), several adapters in one model, the model card, a
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 import json
 import os
@@ -23,7 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import peft_bitune
 from conftest import COMMON, VOCAB
-from peft_bitune import BituneConfig
+from peft_bitune import BituneConfig, BituneModel
 from peft_bitune.hub import push_to_hub
 from reference import make_bitune
 
@@ -643,6 +644,40 @@ def test_pickled_weights_are_never_written_or_read(load_base, tmp_path):
         PeftModel.from_pretrained(load_base("llama"), tmp_path / "pickle")
 
 
+# torch's registry of module-registration hooks: the saving guard must not stay in it (see safetensors_only.py).
+REGISTRATION_HOOKS = torch.nn.modules.module._global_module_registration_hooks
+
+
+def test_importing_registers_no_module_registration_hook():
+    code = (
+        "import torch, peft, transformers\n"
+        "hooks = torch.nn.modules.module._global_module_registration_hooks\n"
+        "before = len(hooks)\n"
+        "import peft_bitune\n"
+        "assert len(hooks) == before, len(hooks) - before\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_saving_guard_hooks_in_only_while_peft_attaches_the_tuner(load_base, tmp_path):
+    before = dict(REGISTRATION_HOOKS)
+    model = build(load_base, "lora")
+    assert dict(REGISTRATION_HOOKS) == before  # removed once the PeftModel had the tuner
+    with pytest.raises(ValueError, match="safetensors only"):
+        model.save_pretrained(tmp_path / "bin", safe_serialization=False)  # and the PeftModel has its guard
+    model.save_pretrained(tmp_path / "saved")
+    model.load_adapter(str(tmp_path / "saved"), adapter_name="second")
+    assert dict(REGISTRATION_HOOKS) == before
+    # A tuner built without a PeftModel leaves a hook that does nothing; the next tuner built removes it once it is
+    # gone.
+    BituneModel(load_base("llama"), BituneConfig(), "default")
+    gc.collect()
+    assert len(REGISTRATION_HOOKS) == len(before) + 1
+    build(load_base, "lora")
+    assert dict(REGISTRATION_HOOKS) == before
+
+
 def test_inner_modules_to_save_are_refused_rather_than_left_out():
     # Refused when the config is made, before any training; the save-time check stays as a second line.
     config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], init_lora_weights=False)
@@ -653,7 +688,7 @@ def test_inner_modules_to_save_are_refused_rather_than_left_out():
 def test_pickled_weights_in_a_hub_repo_are_refused_too(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from peft_bitune.hub import has_only_pickled_weights
+    from peft_bitune.safetensors_only import has_only_pickled_weights
 
     cache, pickled, safe = tmp_path / "cache", tmp_path / "pickled", tmp_path / "safe"
     for folder, weights in ((pickled, "adapter_model.bin"), (safe, "adapter_model.safetensors")):
