@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -99,13 +100,16 @@ class BitunePasses:
             self._gather_shards_for_recorded(recorded[weight_set])
         return mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer)
 
-    def prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: torch.Tensor) -> None:
+    def prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: Any) -> Any:
         """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used; a
-        cache that stops the pass after its last layer's keys/values ends it there, see `early_stop.py`)."""
+        cache that stops the pass after its last layer's keys/values ends it there, see `early_stop.py`). Returns the
+        decoder's output, or `None` for a pass that ended there."""
         is_causal = weight_set == CAUSAL or self.second_pass_attention == CAUSAL
         decoder = decoder_of(self.model)
+        output = None
         with self.weights(weight_set), ending_at_complete_record():
-            decoder(**compat.with_cache(decoder, cache), use_cache=False, is_causal=is_causal, **inputs)
+            output = decoder(**compat.with_cache(decoder, cache), use_cache=False, is_causal=is_causal, **inputs)
+        return output
 
     def answer_pass(
         self, chunk: Chunk, sequence: torch.Tensor, cache: TrainingCache | None, record: bool

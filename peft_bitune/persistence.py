@@ -130,6 +130,24 @@ class BituneCheckpointMixin:
         return remapped
 
 
+def saved_mixing_scalars(weights_path: str) -> dict[str, torch.Tensor]:
+    """The mixing weights (`{"keys": ..., "values": ...}`, the scalars `BituneKVMixer` holds, not yet alphas) of the
+    adapter saved in `weights_path`, an `adapter_model.safetensors`, read without loading any model."""
+    from safetensors import safe_open
+
+    weights = {}
+    with safe_open(weights_path, framework="pt") as file:
+        for kind, suffix in MIXER_CHECKPOINT_KEYS.items():
+            keys = [key for key in file.keys() if key == suffix or key.endswith("." + suffix)]
+            if len(keys) != 1:
+                raise ValueError(
+                    f"Expected one tensor ending in {suffix!r} in {weights_path}, found {keys or 'none'}: this is not "
+                    "a checkpoint of this version of peft-bitune."
+                )
+            weights[kind] = file.get_tensor(keys[0])
+    return weights
+
+
 def _forget_refused_adapter(model: nn.Module, adapter_name: str) -> None:
     """PEFT adds an adapter before it reads its file: a refused `load_adapter` must not leave it behind, randomly
     initialised. (A refused first adapter fails `from_pretrained` as a whole, so there is nothing to clean up.)"""

@@ -2,379 +2,44 @@
 Pictures of what a Bitune adapter learned (paper, appendix A.12): the attention of the two prompt passes, the
 per-layer mixing coefficients of their caches, and how those coefficients moved during training.
 
-The tensor functions (`attention_maps`, `mixing_coefficients`) need only torch; the drawing functions need matplotlib,
-installed with the `viz` extra (`pip install peft-bitune[viz]`). `import peft_bitune` never imports this module.
-
-What the attention maps cover: exactly what the two prompt passes read, which is the instruction *minus its last token*
-(prompt[:-1], steps 1-2 of `passes.py`). The last instruction token is never read by those passes: it goes through the
-causal answer pass over the mixed cache. So a prompt of P tokens gives (P - 1) x (P - 1) maps, labelled with the first
-P - 1 tokens.
+The drawing functions are here; they need matplotlib, installed with the `viz` extra (`pip install
+peft-bitune[viz]`). What they draw comes from two modules that need only torch, and whose public names this module
+offers too: `prompt_attention.py` (`attention_maps`, `AttentionMaps`) and `mixing_readout.py`
+(`mixing_coefficients`, `mixing_history`, `MixingHistory`). `import peft_bitune` never imports this module.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from peft import PeftModel
-from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
-from torch import nn
 
-from . import compat
-from .callbacks import layer_log_key, mean_log_key
-from .common import BIDIRECTIONAL, CAUSAL, WeightSet, format_rows, has_holes, is_bitune_type, text_config
-from .config import BituneConfig
-from .inputs import attention_mask_for, positions_for
-from .lookup import require_bitune_tuner
-from .mixing import BituneKVMixer
+from .mixing_readout import MixingHistory, mixing_coefficients, mixing_history
 from .model import BituneModel
-from .persistence import MIXER_CHECKPOINT_KEYS
+from .prompt_attention import AttentionMaps, attention_maps
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+__all__ = [
+    "AttentionMaps",
+    "MixingHistory",
+    "attention_maps",
+    "mixing_coefficients",
+    "mixing_history",
+    "plot_attention_maps",
+    "plot_mixing_coefficients",
+    "plot_mixing_history",
+    "plot_prompt_attention",
+]
 
 # The axis label of every plot of the mixing coefficients.
 _ALPHA_LABEL = "alpha (weight of the bidirectional cache)"
 
 
-@dataclass
-class AttentionMaps:
-    """
-    Attention probabilities of the two prompt passes of a Bitune model over the same tokens.
-
-    Rows are the source (query) tokens, columns the attended (key) tokens; each row of a real token sums to one and
-    gives nothing to padding. Rows of padding tokens are all zero. Tensors are float32, on the CPU.
-
-    Attributes:
-        causal (`torch.Tensor` of shape (batch_size, seq_len, seq_len)): the causal pass (causal weights, causal mask).
-        bidirectional (`torch.Tensor` of shape (batch_size, seq_len, seq_len)): the second pass (bidirectional weights,
-            and the mask of the adapter's `second_pass_attention`, bidirectional unless the causal ablation is set).
-        input_ids (`torch.Tensor` of shape (batch_size, seq_len)): the tokens both passes read, prompt[:-1] per row.
-        attention_mask (`torch.Tensor` of shape (batch_size, seq_len)): 1 on real tokens, 0 on padding.
-        layer (`int`, *optional*): the layer shown, or `None` for the average over layers.
-        head (`int`, *optional*): the query head shown, or `None` for the average over heads.
-    """
-
-    causal: torch.Tensor
-    bidirectional: torch.Tensor
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    layer: int | None
-    head: int | None
-
-
-# ---------------------------------------------------------------------------------------------------- attention maps
-@torch.no_grad()
-def attention_maps(
-    model: PeftModel | BituneModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    layer: int | None = None,
-    head: int | None = None,
-) -> AttentionMaps:
-    """
-    Attention of the causal and the bidirectional prompt pass of a Bitune model, as the model runs them.
-
-    Each pass runs its own weight set and mask over prompt[:-1] of every row (the last prompt token is not part of
-    the prompt passes), with the same position ids as in training and generation. Padding may be on either side;
-    real tokens must be contiguous. Attention probabilities need the eager attention implementation: a model loaded
-    with another one is switched to eager for the call and switched back afterwards. Dropout is off during the call.
-
-    Args:
-        model (`PeftModel` or `BituneModel`): a model with an active Bitune adapter.
-        input_ids (`torch.Tensor` of shape (batch_size, seq_len) or (seq_len,)): the prompts (instructions).
-        attention_mask (`torch.Tensor` of the same shape, *optional*): 1 on real tokens; defaults to all ones.
-        layer (`int`, *optional*): a decoder layer (negative counts from the end); defaults to the average of all.
-        head (`int`, *optional*): a query head (negative counts from the end); defaults to the average of all.
-
-    Returns:
-        `AttentionMaps` with maps of shape (batch_size, n, n), n = the longest prompt minus one.
-
-    Example:
-
-    ```py
-    >>> batch = tokenizer(["Natalia sold clips to 48 of her friends."], return_tensors="pt")
-    >>> maps = attention_maps(model, batch["input_ids"], batch["attention_mask"])  # doctest: +SKIP
-    >>> # maps.causal and maps.bidirectional: (1, n - 1, n - 1) for a prompt of n tokens
-    >>> plot_attention_maps(maps, tokenizer, path="attention.png")  # doctest: +SKIP
-    ```
-    """
-    bitune = require_bitune_tuner(model, "to draw its attention maps")
-    hf_model = bitune.model
-    config = text_config(hf_model)
-    layer = _checked_index("layer", layer, config.num_hidden_layers)
-    head = _checked_index("head", head, config.num_attention_heads)
-    prefix_ids, prefix_mask = _prompt_pass_tokens(input_ids, attention_mask)
-    device = next(hf_model.parameters()).device
-    prefix_ids, prefix_mask = prefix_ids.to(device), prefix_mask.to(device)
-    position_ids = positions_for(prefix_mask)
-    second_pass_is_causal = bitune.peft_config[bitune.active_adapter].second_pass_attention == CAUSAL
-
-    maps = {}
-    with _eager_attention(hf_model), _evaluation_mode(hf_model):
-        for weight_set, is_causal in ((CAUSAL, True), (BIDIRECTIONAL, second_pass_is_causal)):
-            maps[weight_set] = _pass_attention(
-                bitune, weight_set, is_causal, prefix_ids, prefix_mask, position_ids, layer, head
-            )
-    return AttentionMaps(
-        causal=maps[CAUSAL],
-        bidirectional=maps[BIDIRECTIONAL],
-        input_ids=prefix_ids.cpu(),
-        attention_mask=prefix_mask.long().cpu(),
-        layer=layer,
-        head=head,
-    )
-
-
-def _pass_attention(
-    bitune: BituneModel,
-    weight_set: WeightSet,
-    is_causal: bool,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    layer: int | None,
-    head: int | None,
-) -> torch.Tensor:
-    """One prompt pass with `output_attentions`; returns its (batch, seq, seq) map, padding rows zeroed."""
-    decoder = bitune.model.get_decoder()
-    with bitune.weights(weight_set):
-        output = decoder(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            is_causal=is_causal,
-            output_attentions=True,
-        )
-    attentions = output.attentions
-    if not attentions or any(weights is None for weights in attentions):
-        raise RuntimeError(
-            f"{type(decoder).__name__} returned no attention probabilities although it runs eager attention; "
-            "this architecture cannot be visualised."
-        )
-    stacked = torch.stack([weights.float() for weights in attentions])  # (layers, batch, heads, seq, seq)
-    stacked = stacked[layer : layer + 1] if layer is not None else stacked
-    stacked = stacked[:, :, head : head + 1] if head is not None else stacked
-    averaged = stacked.mean(dim=(0, 2))  # (batch, seq, seq)
-    # A padding query has nothing to attend to; what softmax returns for it is meaningless.
-    return (averaged * attention_mask[:, :, None].to(averaged.dtype)).cpu()
-
-
-def _prompt_pass_tokens(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """prompt[:-1] of every row: the last real token of each row is dropped, then all-padding edge columns."""
-    if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(
-            f"`input_ids` must be a tensor, got {type(input_ids).__name__}; tokenize with return_tensors='pt'."
-        )
-    if input_ids.dim() == 1:
-        input_ids = input_ids[None]
-        attention_mask = attention_mask[None] if attention_mask is not None else None
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"`input_ids` must be of shape (batch_size, seq_len), got {tuple(input_ids.shape)}.")
-    attention_mask = attention_mask_for(input_ids, attention_mask)
-    valid = attention_mask.bool()
-    seq_len = valid.shape[1]
-    lengths = valid.sum(dim=1)
-    if bool((lengths < 2).any()):
-        rows = format_rows((lengths < 2).nonzero().flatten().tolist())
-        raise ValueError(
-            f"Prompt rows {rows} have fewer than 2 tokens. The prompt passes read every token of the prompt but the "
-            "last, so a prompt needs at least 2 tokens to have an attention map."
-        )
-    if bool(has_holes(valid).any()):
-        raise ValueError("Prompts have padding between real tokens; pad on one side only (left or right).")
-    last = seq_len - 1 - valid.flip(1).int().argmax(dim=1)
-    prefix_mask = valid.clone()
-    prefix_mask[torch.arange(valid.shape[0], device=valid.device), last] = False
-    used = prefix_mask.any(dim=0)
-    start = int(used.int().argmax())
-    stop = seq_len - int(used.flip(0).int().argmax())
-    return input_ids[:, start:stop], prefix_mask[:, start:stop].long()
-
-
-def _checked_index(name: str, index: int | None, size: int) -> int | None:
-    if index is None:
-        return None
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise TypeError(f"`{name}` must be an int or None, got {type(index).__name__}.")
-    if not -size <= index < size:
-        raise ValueError(f"`{name}` must be in [{-size}, {size - 1}] for this model, got {index}.")
-    return index % size
-
-
-@contextmanager
-def _eager_attention(model: nn.Module) -> Iterator[None]:
-    """Run `model` with eager attention (the only one that returns probabilities), then restore its implementation."""
-    previous = compat.attention_implementation(model)
-    if previous == "eager":
-        yield
-        return
-    how_to_load = (
-        f"Load the model with `attn_implementation='eager'` to draw attention maps (it uses {previous!r})."
-    )
-    if not hasattr(model, "set_attn_implementation"):
-        raise ValueError(f"{type(model).__name__} cannot switch its attention implementation. {how_to_load}")
-    try:
-        model.set_attn_implementation("eager")
-        if compat.attention_implementation(model) != "eager":
-            raise ValueError(f"{type(model).__name__} could not switch to eager attention. {how_to_load}")
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
-@contextmanager
-def _evaluation_mode(model: nn.Module) -> Iterator[None]:
-    """Turn dropout off for the call; every module gets back its own training flag."""
-    modes = [(module, module.training) for module in model.modules()]
-    try:
-        model.eval()
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
-# ---------------------------------------------------------------------------------------------------- mixing
-def mixing_coefficients(
-    source: PeftModel | BituneModel | str | os.PathLike, adapter_name: str | None = None
-) -> dict[str, torch.Tensor]:
-    """
-    The learned mixing coefficients alpha (weight of the bidirectional cache) per layer, for keys and values.
-
-    Args:
-        source (`PeftModel`, `BituneModel` or a directory): a Bitune model, or a directory written by its
-            `save_pretrained` (read without loading any model: `adapter_config.json` and `adapter_model.safetensors`).
-        adapter_name (`str`, *optional*): for a model, which Bitune adapter (defaults to the active one); for a
-            directory, the sub-folder PEFT saves a non-default adapter in (defaults to the directory itself).
-
-    Returns:
-        `{"keys": alphas, "values": alphas}`, each a float32 CPU tensor of shape (num_layers,).
-    """
-    if isinstance(source, (str, os.PathLike)):
-        return _saved_mixing_coefficients(source, adapter_name)
-    bitune = require_bitune_tuner(source, "to read its mixing coefficients")
-    coefficients = bitune.get_mixing_coefficients(adapter_name)
-    return {kind: alpha.cpu() for kind, alpha in coefficients.items()}
-
-
-def _saved_mixing_coefficients(directory: str | os.PathLike, adapter_name: str | None) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    path = os.path.join(directory, adapter_name) if adapter_name not in (None, "default") else os.fspath(directory)
-    config_path, weights_path = os.path.join(path, CONFIG_NAME), os.path.join(path, SAFETENSORS_WEIGHTS_NAME)
-    for required in (config_path, weights_path):
-        if not os.path.isfile(required):
-            raise FileNotFoundError(
-                f"{required} does not exist; pass a directory written by a Bitune model's `save_pretrained` (with "
-                f"`safe_serialization=True`, the default), or a loaded model."
-            )
-    with open(config_path, encoding="utf-8") as file:
-        config_data = json.load(file)
-    if not is_bitune_type(config_data.get("peft_type")):
-        raise ValueError(f"{config_path} describes a {config_data.get('peft_type')!r} adapter, not a Bitune one.")
-    config = BituneConfig.from_pretrained(path)
-    weights = {}
-    with safe_open(weights_path, framework="pt") as file:
-        for kind, suffix in MIXER_CHECKPOINT_KEYS.items():
-            keys = [key for key in file.keys() if key == suffix or key.endswith("." + suffix)]
-            if len(keys) != 1:
-                raise ValueError(
-                    f"Expected one tensor ending in {suffix!r} in {weights_path}, found {keys or 'none'}: this is not "
-                    "a checkpoint of this version of peft-bitune."
-                )
-            weights[kind] = file.get_tensor(keys[0])
-    mixer = BituneKVMixer(weights["keys"].numel(), config.mix_init, config.mix_scale)
-    mixer.load_state_dict({"key_weights": weights["keys"], "value_weights": weights["values"]})
-    key_alpha, value_alpha = mixer.coefficients()
-    return {"keys": key_alpha.detach(), "values": value_alpha.detach()}
-
-
-@dataclass
-class MixingHistory:
-    """
-    The mixing coefficients over training, as `BituneMixingCallback` logged them.
-
-    Attributes:
-        steps (`list[int]`): the optimizer step of each log that holds every layer's alphas.
-        keys (`torch.Tensor` of shape (len(steps), num_layers)): alpha of the keys per layer at those steps.
-        values (`torch.Tensor` of shape (len(steps), num_layers)): alpha of the values per layer at those steps.
-        mean_steps (`list[int]`): the step of each log that holds the means (every training log).
-        mean_keys (`torch.Tensor` of shape (len(mean_steps),)): mean alpha of the keys over layers.
-        mean_values (`torch.Tensor` of shape (len(mean_steps),)): mean alpha of the values over layers.
-    """
-
-    steps: list[int]
-    keys: torch.Tensor
-    values: torch.Tensor
-    mean_steps: list[int]
-    mean_keys: torch.Tensor
-    mean_values: torch.Tensor
-
-
-def mixing_history(log_history: Sequence[dict[str, Any]] | str | os.PathLike) -> MixingHistory:
-    """
-    Read the mixing coefficients a Bitune training run logged (`BituneMixingCallback`, which `BituneSFTTrainer` uses).
-
-    Args:
-        log_history (`list[dict]`, or a path): `trainer.state.log_history`, or a `trainer_state.json` (or the
-            checkpoint folder holding it) that the Trainer saved.
-
-    Returns:
-        A `MixingHistory`.
-    """
-    logs = _log_history(log_history)
-    num_layers = 0
-    while any(layer_log_key("keys", num_layers) in log for log in logs):
-        num_layers += 1
-    per_layer = [log for log in logs if layer_log_key("keys", 0) in log]
-    means = [log for log in logs if mean_log_key("keys") in log]
-    if not means:
-        raise ValueError(
-            "The log history holds no mixing coefficients (`bitune/...` keys): train with `BituneSFTTrainer`, or add "
-            "`peft_bitune.BituneMixingCallback()` to the Trainer's callbacks."
-        )
-
-    def table(kind: str) -> torch.Tensor:
-        rows = [[log[layer_log_key(kind, layer)] for layer in range(num_layers)] for log in per_layer]
-        return torch.tensor(rows, dtype=torch.float32).reshape(len(per_layer), num_layers)
-
-    return MixingHistory(
-        steps=[int(log["step"]) for log in per_layer],
-        keys=table("keys"),
-        values=table("values"),
-        mean_steps=[int(log["step"]) for log in means],
-        mean_keys=torch.tensor([log[mean_log_key("keys")] for log in means], dtype=torch.float32),
-        mean_values=torch.tensor([log[mean_log_key("values")] for log in means], dtype=torch.float32),
-    )
-
-
-def _log_history(source: Sequence[dict[str, Any]] | str | os.PathLike) -> list[dict[str, Any]]:
-    if not isinstance(source, (str, os.PathLike)):
-        return list(source)
-    path = os.path.join(source, "trainer_state.json") if os.path.isdir(source) else os.fspath(source)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{path} does not exist; pass `trainer.state.log_history`, a `trainer_state.json`, or a checkpoint folder "
-            "that holds one."
-        )
-    with open(path, encoding="utf-8") as file:
-        state = json.load(file)
-    if "log_history" not in state:
-        raise ValueError(f"{path} has no `log_history`: it is not a `trainer_state.json` written by a Trainer.")
-    return state["log_history"]
-
-
-# ---------------------------------------------------------------------------------------------------- drawing
 def plot_attention_maps(
     maps: AttentionMaps,
     tokenizer: Any | None = None,
