@@ -243,6 +243,23 @@ def test_refuses_data_without_an_instruction_boundary(tmp_path, rows, args, mess
         assert "prompt-completion rows" in str(error.value) and "assistant_only_loss=True" in str(error.value)
 
 
+def test_refuses_a_loss_type_it_does_not_implement(tmp_path, model_dir):
+    """TRL refuses names it does not know when the trainer is made; a name a later TRL knows would pass its check and,
+    without this refusal, train as plain NLL. Refused before TRL's own check, and again in `compute_loss` after TRL
+    has accepted the trainer's arguments (the name is set then, as a newer TRL would have let it through)."""
+    message = r"`loss_type='focal'` is not implemented by BituneSFTTrainer.*\['nll', 'dft'\]"
+    with pytest.raises(ValueError, match=message):
+        make_trainer(never_loaded(tmp_path), tmp_path, loss_type="focal")
+    trainer = make_trainer(model_dir, tmp_path)
+    trainer.args.loss_type = "focal"
+    batch = first_batch(trainer)
+    forwards = []
+    trainer.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    with pytest.raises(ValueError, match=message):
+        trainer.compute_loss(trainer.model, dict(batch))
+    assert not forwards  # refused before the forward
+
+
 def test_refuses_a_formatting_function(tmp_path):
     with pytest.raises(ValueError, match="`formatting_func` turns every row into plain text"):
         BituneSFTTrainer(

@@ -187,6 +187,7 @@ class BituneSFTTrainer(SFTTrainer):
                 "The batch has no `labels`: Bitune finds each row's instructions and answers from them (-100 on "
                 "instruction tokens), and TRL's metrics need them. Make the data collator return labels."
             )
+        check_loss_type(self.args)  # again: `args.loss_type` may have been changed after the trainer was made
         labels = inputs["labels"]
         outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
         # The logits are aligned with the input (position t predicts token t + 1) and zero before the last instruction
@@ -207,7 +208,7 @@ class BituneSFTTrainer(SFTTrainer):
             log_probs = F.log_softmax(target_logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
             num_tokens = target_mask.sum() if num_items_in_batch is None else num_items_in_batch
             loss = -(log_probs * log_probs.exp().detach()).sum() / torch.as_tensor(num_tokens).clamp(min=1)
-        else:
+        else:  # "nll"
             loss = outputs.loss
         # As in `Trainer.compute_loss`: `num_items_in_batch` counts every rank's tokens, and DDP averages gradients.
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
@@ -305,8 +306,24 @@ def _bitune_peft_config(model: Any, peft_config: PeftConfig | None) -> PeftConfi
     return peft_config
 
 
+# The `loss_type`s that `compute_loss` implements (TRL's own, which it replaces, is not called).
+IMPLEMENTED_LOSS_TYPES = ("nll", "dft")
+
+
+def check_loss_type(args: TrainingArguments) -> None:
+    """Refuse a `loss_type` that `compute_loss` does not implement: one that a later TRL accepts would otherwise be
+    trained as plain NLL without a word."""
+    if args.loss_type not in IMPLEMENTED_LOSS_TYPES:
+        raise ValueError(
+            f"`loss_type={args.loss_type!r}` is not implemented by BituneSFTTrainer, which computes the loss from the "
+            f"Bitune forward itself and knows {list(IMPLEMENTED_LOSS_TYPES)}. Use one of those; for another loss, "
+            "pass a `compute_loss_func` (with `loss_type='nll'`)."
+        )
+
+
 def _check_training_setup(args: BituneSFTConfig, bitune_config: BituneConfig) -> None:
     refuse_packing(args)  # again: `args.packing = True` may have been set after the config was made
+    check_loss_type(args)
     if args.ddp_find_unused_parameters is False and not bitune_config.shared_weights:
         raise ValueError(
             "`ddp_find_unused_parameters=False` makes DDP fail at the second step: the bidirectional weights of the "
