@@ -14,57 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import peft_bitune  # noqa: F401  (registers the BITUNE peft type)
+from tiny_models import model_configs
 
 # The test models are tiny: one thread avoids thread hand-off costs that dominate at this size (and oversubscription).
 torch.set_num_threads(1)
-
-VOCAB = 96
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-
-
-def _configs():
-    from transformers import (
-        Gemma2Config,
-        Gemma3TextConfig,
-        GemmaConfig,
-        LlamaConfig,
-        MistralConfig,
-        Phi3Config,
-        Qwen2Config,
-        Qwen3Config,
-    )
-
-    # Sliding windows are small (6) so that the test prompts cross them.
-    return {
-        "llama": LlamaConfig(num_key_value_heads=2, **COMMON),
-        "mistral": MistralConfig(num_key_value_heads=2, sliding_window=6, **COMMON),
-        "qwen2": Qwen2Config(num_key_value_heads=2, **COMMON),
-        "qwen3": Qwen3Config(num_key_value_heads=2, head_dim=8, **COMMON),
-        "gemma": GemmaConfig(num_key_value_heads=2, head_dim=8, **COMMON),
-        "gemma2": Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=6, **COMMON),
-        "gemma3": Gemma3TextConfig(
-            num_key_value_heads=2, head_dim=8, sliding_window=6,
-            layer_types=["sliding_attention", "full_attention"], **COMMON
-        ),
-        "phi3": Phi3Config(num_key_value_heads=2, **COMMON),
-    }
-
-
-ARCHITECTURES = list(_configs())
-
-
-def _supports_sdpa(config) -> bool:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM._model_mapping[type(config)]._supports_sdpa
-
-
-# Every (architecture, attention implementation) pair the architecture supports.
-ATTENTION_CASES = [
-    (arch, impl) for arch, config in _configs().items() for impl in ("eager", "sdpa")
-    if impl == "eager" or _supports_sdpa(config)
-]
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +25,7 @@ def saved_models(tmp_path_factory) -> dict[str, str]:
     """Each architecture's tiny random model, written once with `save_pretrained`."""
     root = tmp_path_factory.mktemp("models")
     paths = {}
-    for name, config in _configs().items():
+    for name, config in model_configs().items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
         path = root / name

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import VOCAB
 from peft_bitune import compat
 from reference import left_padded, make_bitune
+from tiny_models import VOCAB
 
 SETTINGS = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
 

@@ -15,9 +15,9 @@ from transformers import DynamicCache, TrainingArguments
 
 import trl_helpers as helpers
 from compat_helpers import from_project, needs_cache_name, only_cache_argument, renamed_name_warnings
-from conftest import VOCAB
 from peft_bitune import compat
 from reference import left_padded, make_bitune
+from tiny_models import VOCAB
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
 
 GREEDY = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)

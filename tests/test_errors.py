@@ -6,11 +6,11 @@ import pytest
 import torch
 from peft import AdaLoraConfig, LoraConfig, PromptTuningConfig, get_peft_model
 
-from conftest import VOCAB
 from peft_bitune import BituneConfig
 from peft_bitune.common import has_holes
 from peft_bitune.passes import BitunePasses
 from reference import make_bitune
+from tiny_models import VOCAB
 
 
 @pytest.mark.parametrize(

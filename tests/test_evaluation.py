@@ -25,7 +25,6 @@ from tokenizers import Tokenizer, decoders, models, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from compat_helpers import from_project, needs_cache_name, only_cache_argument, renamed_name_warnings
-from conftest import VOCAB
 from peft_bitune.evaluation import (
     PAPER_TASKS,
     TASKS_DIR,
@@ -42,6 +41,7 @@ from peft_bitune.evaluation.cli import main as bitune_eval
 from peft_bitune.evaluation.cli import with_paper_tasks
 from peft_bitune.evaluation.harness import BituneLM, PrefillOnceLM
 from reference import make_bitune, reference_greedy
+from tiny_models import VOCAB
 
 BOS = 1
 CHARACTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,?!:;'\"-\n()$%#=+*/"

@@ -6,9 +6,9 @@ import pytest
 import torch
 from peft import IA3Config, LoraConfig
 
-from conftest import ATTENTION_CASES, VOCAB
 from peft_bitune import compat
 from reference import alphas, make_bitune, reference_row
+from tiny_models import ATTENTION_CASES, VOCAB
 
 PROMPT_LENGTHS = [1, 3, 7, 9]
 ANSWER_LENGTHS = [4, 2, 5, 3]

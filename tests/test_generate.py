@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from conftest import ATTENTION_CASES, VOCAB
 from peft_bitune import compat
 from peft_bitune.passes import BitunePasses
 from reference import left_padded, make_bitune, reference_greedy, reference_prefill
+from tiny_models import ATTENTION_CASES, VOCAB
 
 PROMPT_LENGTHS = [9, 1, 4, 12]
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from conftest import VOCAB
 from peft_bitune.passes import BitunePasses
 from reference import make_bitune, reference_alternating, reference_row
+from tiny_models import VOCAB
 
 # Each row: (instruction length, answer length) per turn, then trailing unsupervised tokens.
 ROWS = [

@@ -23,10 +23,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import peft_bitune
-from conftest import COMMON, VOCAB
 from peft_bitune import BituneConfig, BituneModel
 from peft_bitune.hub import push_to_hub
 from reference import make_bitune
+from tiny_models import COMMON, VOCAB
 
 SAVED_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"}
 LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)

@@ -11,11 +11,11 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from conftest import VOCAB
 from peft_bitune import BituneConfig, compat
 from peft_bitune.caches import pass_cache
 from peft_bitune.common import BITUNE_TYPE_NAME, inner_adapter_name, num_layers
 from reference import make_bitune
+from tiny_models import VOCAB
 
 UPGRADE = "The installed {library} no longer {does}: update `peft_bitune.compat.{function}` for this release."
 

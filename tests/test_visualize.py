@@ -13,7 +13,6 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from conftest import ARCHITECTURES, VOCAB
 from peft_bitune import BituneConfig
 from peft_bitune.visualize import (
     attention_maps,
@@ -25,6 +24,7 @@ from peft_bitune.visualize import (
     plot_prompt_attention,
 )
 from reference import alphas, make_bitune
+from tiny_models import ARCHITECTURES, VOCAB
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
