@@ -87,6 +87,17 @@ def first_batch(trainer) -> dict[str, torch.Tensor]:
     return next(iter(trainer.get_train_dataloader()))
 
 
+def loss_and_logged_metrics(trainer, batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """`compute_loss` on `batch` (without gradients), and the training log written right after it: TRL's metrics of
+    that batch, as the trainer reports them. Whatever an earlier call left unlogged is logged first."""
+    assert trainer.model.training, "the metrics would be logged as evaluation metrics"
+    trainer.log({})
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+    trainer.log({})
+    return loss, trainer.state.log_history[-1]
+
+
 def randomize_adapters(model, seed: int = 0) -> None:
     """Non-trivial, different weight sets and mixing scalars (LoRA's B starts at zero otherwise)."""
     generator = torch.Generator().manual_seed(seed)
@@ -362,17 +373,15 @@ def test_loss_and_metrics_match_the_reference_forward(random_adapter_trainer, lo
     assert bool((batch["attention_mask"] == 0).any()), "the batch must hold right-padded rows"
     trainer.args.loss_type = "dft" if loss == "dft_loss" else "nll"
     trainer.label_smoother = LabelSmoother(epsilon=0.1) if loss == "smoothed_loss" else None
-    trainer._metrics["train"].clear()
     try:
-        with torch.no_grad():
-            value = trainer.compute_loss(trainer.model, dict(batch))
+        value, logged = loss_and_logged_metrics(trainer, batch)
     finally:
         trainer.args.loss_type, trainer.label_smoother = "nll", None
     expected = reference_statistics(trainer.model, batch)
     assert value.item() == pytest.approx(expected[loss], abs=1e-5)
-    assert trainer._metrics["train"]["entropy"][-1] == pytest.approx(expected["entropy"], abs=1e-5)
-    assert trainer._metrics["train"]["mean_token_accuracy"][-1] == pytest.approx(expected["mean_token_accuracy"])
-    assert trainer._metrics["train"]["num_tokens"][-1] >= int(batch["attention_mask"].sum())
+    assert logged["entropy"] == pytest.approx(expected["entropy"], abs=1e-5)
+    assert logged["mean_token_accuracy"] == pytest.approx(expected["mean_token_accuracy"])
+    assert logged["num_tokens"] >= int(batch["attention_mask"].sum())
 
 
 def test_accuracy_metric_counts_correct_predictions(random_adapter_trainer):
@@ -383,10 +392,8 @@ def test_accuracy_metric_counts_correct_predictions(random_adapter_trainer):
         logits = trainer.model(**batch).logits
     predicted = batch["labels"].clone()
     predicted[:, 1:] = torch.where(batch["labels"][:, 1:] != IGNORE_INDEX, logits[:, :-1].argmax(-1), IGNORE_INDEX)
-    trainer._metrics["train"].clear()
-    with torch.no_grad():
-        trainer.compute_loss(trainer.model, {**batch, "labels": predicted})
-    assert trainer._metrics["train"]["mean_token_accuracy"][-1] == pytest.approx(1.0)
+    _, logged = loss_and_logged_metrics(trainer, {**batch, "labels": predicted})
+    assert logged["mean_token_accuracy"] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("conversation_format", ["messages", "prompt-completion"])
@@ -424,13 +431,11 @@ def test_multi_turn_conversations_train_on_every_assistant_answer(tmp_path, mode
     for row in range(batch["input_ids"].shape[0]):
         length = int(batch["attention_mask"][row].sum())
         assert len(turns_from_labels(batch["labels"][row, :length])[0]) == 2
-    trainer._metrics["train"].clear()
-    with torch.no_grad():
-        loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss, logged = loss_and_logged_metrics(trainer, batch)
     expected = reference_statistics(trainer.model, batch)
     assert loss.item() == pytest.approx(expected["loss"], abs=1e-5)
-    assert trainer._metrics["train"]["entropy"][-1] == pytest.approx(expected["entropy"], abs=1e-5)
-    assert trainer._metrics["train"]["mean_token_accuracy"][-1] == pytest.approx(expected["mean_token_accuracy"])
+    assert logged["entropy"] == pytest.approx(expected["entropy"], abs=1e-5)
+    assert logged["mean_token_accuracy"] == pytest.approx(expected["mean_token_accuracy"])
 
 
 # ---------------------------------------------------------------------- training
