@@ -4,6 +4,7 @@ functions alike), and every public top-level name defined in one module only."""
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -166,3 +167,15 @@ def test_the_mixins_of_the_tuner_use_only_what_their_host_protocols_declare(load
         assert not undeclared, f"{mixin.__name__} uses {undeclared} of its host; declare them in {protocol.__name__}."
         missing = sorted(name for name in declared if not hasattr(tuner, name))
         assert not missing, f"BituneModel lacks {missing}, which {protocol.__name__} declares."
+
+
+def test_the_module_map_of_the_docs_names_every_module():
+    text = (ROOT / "docs" / "how-it-works.md").read_text(encoding="utf-8")
+    module_map = text.split("## Where it lives in the code", 1)[1]
+    named = set(re.findall(r"`([\w/]+(?:\.py|/))`", module_map))
+    package = ROOT / "peft_bitune"
+    modules = {path.name for path in package.glob("*.py") if path.name != "__init__.py"}
+    modules |= {f"{path.parent.name}/" for path in package.glob("*/__init__.py")}
+    stale = sorted(name for name in named - modules if name.endswith(".py") and "/" not in name)
+    missing = sorted(modules - named)
+    assert not missing and not stale, f"docs/how-it-works.md's module map: add {missing}, remove {stale}."
