@@ -1,0 +1,208 @@
+"""What `BituneSFTTrainer` refuses, and converts, before any work: its arguments, the PEFT config, and the datasets
+(from their first row, before TRL prepares them, and from their labels after).
+
+Bitune reads each row's instructions from the labels TRL builds, so data that carries no instruction/answer boundary
+(plain text, a formatting function, conversations without `assistant_only_loss`) is refused, as are settings that break
+the three-pass forward (packing, reentrant or FSDP's own checkpointing, DeepSpeed ZeRO-3 with checkpointing) and a
+`loss_type` the trainer does not implement. Each refusal says what works instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+from datasets import Dataset, IterableDataset
+from peft import PeftConfig, PeftModel
+from transformers import TrainingArguments
+from trl.data_utils import is_conversational, is_conversational_from_value
+
+from peft_bitune import BituneConfig, BituneModel, compat
+from peft_bitune.common import IGNORE_INDEX, format_rows
+
+from .config import BituneSFTConfig, refuse_packing
+
+FORMATS_THAT_WORK = (
+    "prompt-completion rows (`prompt` and `completion` columns, plain text or conversational) with "
+    "`completion_only_loss` left at None or True; conversational rows (`messages`) with `assistant_only_loss=True`; "
+    "or pre-tokenized rows with `input_ids` and `labels` that are -100 on the instruction"
+)
+
+
+def as_bitune_config(args: TrainingArguments | None, model: Any) -> BituneSFTConfig:
+    """`BituneSFTConfig` as given, or built from the other configs the way `SFTTrainer` converts
+    `TrainingArguments`."""
+    if isinstance(args, BituneSFTConfig):
+        return args
+    if args is None:
+        name = model if isinstance(model, str) else getattr(model.config, "name_or_path", "model") or "model"
+        return BituneSFTConfig(f"{os.path.basename(str(name).rstrip('/'))}-Bitune-SFT")
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"`args` must be a `BituneSFTConfig`, got {type(args).__name__}.")
+    # Field by field: `to_dict` would replace every `*_token` value (also `eos_token`, `pad_token`) with a placeholder.
+    known = BituneSFTConfig.__dataclass_fields__
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and f.name in known}
+    return BituneSFTConfig(**values)
+
+
+def bitune_peft_config(model: Any, peft_config: PeftConfig | None) -> PeftConfig | None:
+    """`BituneConfig()` by default; the model's own adapter when it already is a Bitune `PeftModel`."""
+    if isinstance(model, PeftModel):
+        if not isinstance(model.base_model, BituneModel):
+            raise ValueError(
+                f"`model` is a PeftModel with a {type(model.peft_config[model.active_adapter]).__name__} adapter; "
+                "BituneSFTTrainer trains Bitune adapters. Pass the base model (and optionally a `BituneConfig`), or "
+                "use `trl.SFTTrainer` for other PEFT methods."
+            )
+        return peft_config  # SFTTrainer refuses a second config on a PeftModel with its own message
+    if peft_config is None:
+        return BituneConfig()
+    if not isinstance(peft_config, BituneConfig):
+        raise ValueError(
+            f"`peft_config` must be a `BituneConfig`, got {type(peft_config).__name__}. To train Bitune with this "
+            f"method, wrap it: `BituneConfig(adapter_config={type(peft_config).__name__}(...))`; to train it alone, "
+            "use `trl.SFTTrainer`."
+        )
+    return peft_config
+
+
+# The `loss_type`s that `compute_loss` implements (TRL's own, which it replaces, is not called).
+IMPLEMENTED_LOSS_TYPES = ("nll", "dft")
+
+
+def check_loss_type(args: TrainingArguments) -> None:
+    """Refuse a `loss_type` that `compute_loss` does not implement: one that a later TRL accepts would otherwise be
+    trained as plain NLL without a word."""
+    if args.loss_type not in IMPLEMENTED_LOSS_TYPES:
+        raise ValueError(
+            f"`loss_type={args.loss_type!r}` is not implemented by BituneSFTTrainer, which computes the loss from the "
+            f"Bitune forward itself and knows {list(IMPLEMENTED_LOSS_TYPES)}. Use one of those; for another loss, "
+            "pass a `compute_loss_func` (with `loss_type='nll'`)."
+        )
+
+
+def check_training_setup(args: BituneSFTConfig, bitune_config: BituneConfig) -> None:
+    refuse_packing(args)  # again: `args.packing = True` may have been set after the config was made
+    check_loss_type(args)
+    if args.ddp_find_unused_parameters is False and not bitune_config.shared_weights:
+        raise ValueError(
+            "`ddp_find_unused_parameters=False` makes DDP fail at the second step: the bidirectional weights of the "
+            "last layer outside its key/value projections never receive a gradient (the bidirectional pass is used "
+            "only for the keys/values it writes). Leave `ddp_find_unused_parameters` unset (PEFT models default to "
+            "True) or set it to True."
+        )
+    plugin = args.deepspeed_plugin
+    checkpointing = compat.CHECKPOINTING_ARGUMENT
+    if plugin is not None and getattr(plugin, "zero_stage", None) == 3 and getattr(args, checkpointing):
+        raise ValueError(
+            "DeepSpeed ZeRO-3 with gradient checkpointing is not supported: TRL forces reentrant checkpointing for "
+            "PEFT models under ZeRO-3, and reentrant checkpointing drops the gradients that flow through Bitune's "
+            f"mixed prompt cache. Set `{checkpointing}=False`, or use ZeRO stage 2 or FSDP."
+        )
+    fsdp_config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
+    fsdp_checkpointing = str(fsdp_config.get("activation_checkpointing", "false")).lower() == "true" or (
+        os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
+    )
+    if fsdp_checkpointing:
+        raise ValueError(
+            "FSDP's own activation checkpointing (`fsdp_config['activation_checkpointing']` or "
+            "`--fsdp_activation_checkpointing`) recomputes the decoder layers during backward under whichever weight "
+            "set is active then, which is wrong for Bitune's bidirectional pass. Turn it off and keep "
+            f"`{checkpointing}=True`, which Bitune routes correctly."
+        )
+    path = args.chat_template_path
+    if path is not None and not (os.path.isfile(path) and path.endswith((".jinja", ".j2"))):
+        raise ValueError(
+            f"`chat_template_path={path!r}` clones another tokenizer's chat template, which can add tokens whose "
+            "embeddings must then be trained; a Bitune adapter trains only its two weight sets and mixing scalars. "
+            "Pass a .jinja template that uses the tokenizer's existing tokens, or set `tokenizer.chat_template`."
+        )
+
+
+def named_eval_datasets(eval_dataset: Any) -> dict[str, Any]:
+    if eval_dataset is None:
+        return {}
+    if isinstance(eval_dataset, dict):
+        return {f"eval_dataset[{key!r}]": dataset for key, dataset in eval_dataset.items()}
+    return {"eval_dataset": eval_dataset}
+
+
+def check_dataset_format(
+    dataset: Dataset | IterableDataset, name: str, args: BituneSFTConfig, skip_prepare: bool, custom_collator: bool
+) -> None:
+    """Refuse, from the first row, data whose labels will not mark an instruction before the answer."""
+    sample = next(iter(dataset))
+    if "image" in sample or "images" in sample:
+        raise ValueError(
+            f"`{name}` holds images. Bitune supports text-only causal language models; vision-language training is "
+            "not supported."
+        )
+    if "input_ids" in sample or skip_prepare:
+        has_mask = "labels" in sample or "assistant_masks" in sample or (
+            "completion_mask" in sample and args.completion_only_loss is not False
+        )
+        if not has_mask and not custom_collator:
+            raise ValueError(
+                f"`{name}` is tokenized but has no `labels` column (nor `completion_mask` / `assistant_masks` for TRL "
+                "to build it from), so every token would be supervised and no instruction would be left for Bitune to "
+                f"read. Add labels that are -100 on the instruction. Formats that work: {FORMATS_THAT_WORK}."
+            )
+        return
+    if "prompt" in sample and "completion" in sample:
+        if args.completion_only_loss is False:
+            raise ValueError(
+                "`completion_only_loss=False` supervises the prompt too, so the labels no longer show where the "
+                "instruction ends. Leave `completion_only_loss` at None (or True) for prompt-completion data."
+            )
+        return
+    if is_conversational(sample) or is_conversational_from_value(sample):
+        if not args.assistant_only_loss:
+            raise ValueError(
+                f"`{name}` is conversational, and without `assistant_only_loss=True` every token is supervised, so no "
+                "instruction is left for Bitune to read. Set `assistant_only_loss=True` (the chat template needs "
+                "`{% generation %}` markers, which TRL adds for known templates), or use prompt-completion rows."
+            )
+        return
+    columns = sorted(sample)
+    raise ValueError(
+        f"`{name}` has columns {columns}: plain-text language modelling data has no instruction/answer boundary, and "
+        f"Bitune reads the instruction bidirectionally before training on the answer. Formats that work: "
+        f"{FORMATS_THAT_WORK}."
+    )
+
+
+def check_prepared_labels(dataset: Any, name: str) -> None:
+    """After TRL's preparation: every row must start with an unsupervised instruction and supervise something."""
+    if not isinstance(dataset, Dataset) or "labels" not in dataset.column_names:
+        return  # an IterableDataset cannot be scanned up front; the Bitune forward checks every batch
+    no_instruction, no_answer = [], []
+    offset = 0
+    for batch in dataset.select_columns(["labels"]).with_format("arrow").iter(batch_size=10_000):
+        labels = batch.column("labels").combine_chunks()
+        lengths = pc.list_value_length(labels).fill_null(0).to_numpy(zero_copy_only=False)
+        values = pc.list_flatten(labels).to_numpy(zero_copy_only=False)
+        rows = pc.list_parent_indices(labels).to_numpy(zero_copy_only=False)
+        supervised = values != IGNORE_INDEX
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        non_empty = lengths > 0
+        first_supervised = np.zeros(len(lengths), dtype=bool)
+        first_supervised[non_empty] = supervised[starts[non_empty]]
+        counts = np.bincount(rows[supervised], minlength=len(lengths)) if len(values) else np.zeros(len(lengths))
+        no_instruction += (np.flatnonzero(first_supervised) + offset).tolist()
+        no_answer += (np.flatnonzero(counts == 0) + offset).tolist()
+        offset += len(lengths)
+    if no_instruction:
+        raise ValueError(
+            f"Rows {format_rows(no_instruction)} of the prepared `{name}` have no instruction: their first token is "
+            "already supervised. Bitune reads an instruction before the answer; make sure each prompt is non-empty "
+            "(a BOS token or a template counts) and that truncation keeps the start of each row "
+            "(`truncation_mode='keep_start'`)."
+        )
+    if no_answer:
+        raise ValueError(
+            f"Rows {format_rows(no_answer)} of the prepared `{name}` have no supervised token (all labels are -100), "
+            "so there is no answer to train on. Remove them, or raise `max_length` if truncation cut the answers off."
+        )
