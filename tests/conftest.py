@@ -45,3 +45,11 @@ def load_base(saved_models):
         return model.eval()
 
     return load
+
+
+@pytest.fixture(scope="session")
+def trl_model_dir(tmp_path_factory) -> str:
+    """The TRL tests' tiny Llama and word-level tokenizer, saved in one folder (usable as `model_name_or_path`)."""
+    import trl_helpers
+
+    return trl_helpers.save_model_and_tokenizer(tmp_path_factory.mktemp("trl_model"))

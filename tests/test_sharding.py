@@ -3,7 +3,7 @@
 accelerate turns an FSDP request into plain DDP on a machine without accelerators, so the sharding is applied
 directly: FSDP2 `fully_shard` on every decoder layer, then on the root, and through accelerate's own FSDP2
 preparation (which also makes units of the embeddings and of the final norm with the LM head); FSDP1 as the
-`FullyShardedDataParallel` wrapper with one unit per decoder layer. The DDP test is in test_trl_integration.py.
+`FullyShardedDataParallel` wrapper with one unit per decoder layer. The DDP test is in test_trl_training.py.
 """
 
 from __future__ import annotations

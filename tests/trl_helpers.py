@@ -99,6 +99,60 @@ def conversation_rows(count: int, turns: int = 1, seed: int = 0) -> list[dict[st
     return rows
 
 
+# ---------------------------------------------------------------------- shared by the TRL tests
+def make_trainer(model_dir, output_dir, rows=None, peft_config=None, **args):
+    """A `BituneSFTTrainer` on `rows` (16 prompt-completion rows by default) with the settings of `training_args` and
+    `small_bitune_config`."""
+    from datasets import Dataset
+
+    from trl_integration import BituneSFTTrainer
+
+    rows = prompt_completion_rows(16) if rows is None else rows
+    return BituneSFTTrainer(
+        model=model_dir,
+        args=training_args(output_dir, **args),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=build_tokenizer(),
+        peft_config=small_bitune_config() if peft_config is None else peft_config,
+    )
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """Both weight sets and the mixing scalars, trainable or not (a loaded adapter is frozen)."""
+    return {n: p.detach() for n, p in model.named_parameters() if "lora_" in n or "bitune_mixers" in n}
+
+
+def weight_set_state(model, weight_set: str) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in trainable_state(model).items() if f"default__{weight_set}" in name}
+
+
+def receives_gradient(name: str, num_layers: int = model_config().num_hidden_layers) -> bool:
+    """Every trainable weight gets a gradient except, by construction, the bidirectional weights of the last layer
+    outside its key/value projections: the bidirectional pass is used only for the keys/values it writes, and the last
+    layer's attention output and MLP feed no further layer."""
+    last_layer = f".layers.{num_layers - 1}."
+    writes_the_cache = "k_proj" in name or "v_proj" in name
+    return not ("default__bidirectional" in name and last_layer in name and not writes_the_cache)
+
+
+def mixer_state(model) -> torch.Tensor:
+    mixer = model.base_model.mixer
+    return torch.cat([mixer.key_weights.detach(), mixer.value_weights.detach()]).clone()
+
+
+def first_batch(trainer) -> dict[str, torch.Tensor]:
+    return next(iter(trainer.get_train_dataloader()))
+
+
+def never_loaded(tmp_path) -> str:
+    """A model path that does not exist: a trainer given it must refuse before anything is loaded."""
+    return str(tmp_path / "never-loaded")
+
+
 # ---------------------------------------------------------------------- a training run, also under `accelerate launch`
 def small_bitune_config():
     """LoRA r=4 on every linear layer for both weight sets; a small, fast Bitune adapter."""

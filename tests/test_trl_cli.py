@@ -1,0 +1,97 @@
+"""`bitune-sft`, the command line of `BituneSFTTrainer`: training from flags, launching through accelerate, and its
+parser (TRL's flags and every Bitune setting)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+from peft import PeftConfig
+
+import trl_helpers as helpers
+from peft_bitune import BituneConfig, compat
+from trl_integration.cli import BituneArguments, make_parser
+from trl_integration.cli import main as cli_main
+from trl_integration.cli import train as cli_train
+
+datasets.disable_progress_bars()
+
+
+def write_jsonl_dataset(directory: Path, rows: list[dict]) -> Path:
+    directory.mkdir()
+    with open(directory / "train.jsonl", "w") as file:
+        for row in rows:
+            file.write(json.dumps(row) + "\n")
+    return directory
+
+
+CLI_TRAINING_FLAGS = [
+    "--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2", "--bf16", "false",
+    f"--{compat.CHECKPOINTING_ARGUMENT}", "false", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
+]
+
+
+def test_cli_trains_and_saves_a_bitune_adapter(tmp_path, trl_model_dir):
+    data = write_jsonl_dataset(tmp_path / "data", helpers.prompt_completion_rows(8))
+    output = tmp_path / "out"
+    cli_train([
+        "--model_name_or_path", trl_model_dir, "--dataset_name", str(data), "--output_dir", str(output),
+        *CLI_TRAINING_FLAGS, "--lora_r", "4", "--mix_init", "0.02", "--second_pass_attention", "causal",
+    ])
+    saved = json.loads((output / "adapter_config.json").read_text())
+    assert saved["peft_type"] == "BITUNE"
+    assert saved["mix_init"] == 0.02 and saved["second_pass_attention"] == "causal"
+    assert saved["adapter_config"]["r"] == 4 and saved["adapter_config"]["lora_alpha"] == 16  # Bitune's default alpha
+    assert saved["adapter_config"]["target_modules"] == "all-linear"
+    assert (output / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_bitune_sft_launches_through_accelerate_like_trl_sft(tmp_path, trl_model_dir):
+    """`--num_processes 1` (an `accelerate launch` flag, refused before) goes to the launcher, the rest to the
+    training script, which runs in a process of its own; `--use_peft` (as in `trl sft` commands) is accepted."""
+    data = write_jsonl_dataset(tmp_path / "data", helpers.prompt_completion_rows(8))
+    output = tmp_path / "out"
+    command = [
+        sys.executable, "-c", "from trl_integration.cli import main; main()",
+        "--model_name_or_path", trl_model_dir, "--dataset_name", str(data), "--output_dir", str(output),
+        *CLI_TRAINING_FLAGS, "--num_processes", "1", "--use_peft", "--lora_r", "4",
+    ]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"Bitune adapter saved to {output}" in result.stdout
+    saved = json.loads((output / "adapter_config.json").read_text())
+    assert saved["peft_type"] == "BITUNE" and saved["adapter_config"]["r"] == 4
+
+
+def test_bitune_sft_refuses_arguments_neither_training_nor_launcher_knows(tmp_path):
+    with pytest.raises(ValueError, match=r"Unknown arguments \['--learnin_rate'.*accelerate launch"):
+        cli_main(["--output_dir", str(tmp_path), "--use_cpu", "--learnin_rate", "1"])
+
+
+def test_cli_refuses_to_turn_peft_off(tmp_path):
+    for flags in (["--use_peft", "false"], ["--no_use_peft"]):
+        with pytest.raises(ValueError, match="always trains a Bitune adapter"):
+            make_parser().parse_args_and_config(["--output_dir", str(tmp_path), "--use_cpu", *flags])
+
+
+def test_cli_covers_every_bitune_setting():
+    """Each `BituneConfig` field of its own (not PEFT's, not the weight-set method) is a `bitune-sft` flag."""
+    own_fields = set(BituneConfig.__dataclass_fields__) - set(PeftConfig.__dataclass_fields__) - {"adapter_config"}
+    assert set(BituneArguments.__dataclass_fields__) == own_fields
+
+
+def test_cli_parser_offers_trl_and_bitune_flags():
+    help_text = make_parser().format_help()
+    for flag in ("--model_name_or_path", "--dataset_name", "--lora_r", "--assistant_only_loss", "--mix_init",
+                 "--shared_weights", "--mixing_logging_steps"):
+        assert flag in help_text
+    assert "use_peft" not in help_text  # always on
+    # The LoRA defaults are Bitune's, and the help says how they differ from `trl sft`'s.
+    assert " ".join(help_text.split()).count("`trl sft` uses") == 4
