@@ -7,11 +7,11 @@ the recording cache's last layer raises `PromptPassComplete` right after it has 
 which gets `stop_after_record` from `BitunePasses.stop_early`), and `BitunePasses.prompt_pass` ends the pass there
 through `ending_at_complete_record`. Nothing else in the package raises or catches it.
 
-What it saves is the last layer's share of each prompt pass, about 1/L of it for L layers. Measured with one CPU
-thread (the CPU time of `prefill` and of a training step's forward and backward, interleaved, with and without the
-stop): on the shape of SmolLM2-135M (`benchmarks/models.py`, 30 layers) 1.5% of the prefill and 2% of a training
-step at batch 8 and 1, prompt 128, answer 32; on the 4-layer `small` benchmark shape 18% of the prefill and 7% of a
-training step at batch 8.
+What it saves is the last layer's share of each prompt pass, about 1/L of it for L layers. Measured by
+`benchmarks/early_stop.py` with one CPU thread (the CPU time of `prefill` and of a training step's forward and
+backward, interleaved, with and without the stop): on the shape of SmolLM2-135M (30 layers) 1.5% of the prefill and
+2% of a training step at batch 8 and 1, prompt 128, answer 32; on the 4-layer `small` benchmark shape 18% of the
+prefill and 7% of a training step at batch 8.
 
 Leaving the decoder by an exception skips whatever was to run after the forwards it leaves, so the stop is allowed
 (`may_end_early`) only when nothing runs there: not under gradient checkpointing (a checkpointed layer's

@@ -107,6 +107,22 @@ def test_bf16_autocast_compares_each_precision_with_float64(tmp_path):
             assert agreement["cosine"] > 0.9999 and agreement["norm_ratio"] == pytest.approx(1, abs=1e-3)
 
 
+@pytest.mark.slow
+def test_early_stop_measurement_prints_a_ratio_per_cell():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "early_stop.py"), "--model", "tiny", "--rounds", "1"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("tiny")]
+    assert [(" ".join(row[1:-6]), *map(int, row[-6:-3])) for row in rows] == [
+        (workload, batch, p, a) for batch, p, a in ((1, 128, 32), (8, 128, 32), (8, 32, 32))
+        for workload in ("prefill", "train step")
+    ]
+    for *_, stop, end, ratio in rows:
+        assert positive_finite(float(stop)) and positive_finite(float(end))
+        assert float(ratio) == pytest.approx(float(stop) / float(end), abs=2e-3 + 0.06 * float(ratio))
+
+
 def test_a_missing_json_folder_is_refused_before_any_work(tmp_path):
     out = tmp_path / "missing" / "bench.json"
     result = run_benchmark("--quick", "--model", "tiny", "--json", str(out))
