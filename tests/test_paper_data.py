@@ -242,6 +242,13 @@ def test_runner_runs_the_protocol_and_resumes(installed_fake_wheels, tmp_path, m
     runner.main([*RUNNER_ARGUMENTS, "--work_dir", str(work_dir), "--json", str(second)])
     again = json.loads(second.read_text())
     assert again["runs"] == results["runs"] and again["base"] == results["base"]
+    # Bitune's search at LoRA's chosen rate only (the paper's procedure): the kept runs at that rate serve it.
+    runner.main([*RUNNER_ARGUMENTS, "--work_dir", str(work_dir), "--json", str(second), "--bitune_lr_from_lora"])
+    paper_procedure = json.loads(second.read_text())
+    lora_rate = f"{paper_procedure['chosen']['learning_rate']['lora']:g}"
+    assert {method: list(runs) for method, runs in paper_procedure["search"].items()} == {
+        "lora": ["0.001", "0.003"], "bitune_paper_start": [lora_rate], "bitune_near_causal": [lora_rate]}
+    assert paper_procedure["chosen"]["bitune_learning_rate_from_lora"] is True
 
 
 def test_paired_bootstrap_says_ahead_level_or_behind():

@@ -372,10 +372,16 @@ class Experiment:
                  + f" {self._elapsed()}")
         return {**record, "test": tested}
 
-    def run(self, methods: tuple[str, ...]) -> dict:
+    def run(self, methods: tuple[str, ...], bitune_lr_from_lora: bool = False) -> dict:
+        """Search, choose, run every seed. With `bitune_lr_from_lora`, Bitune's search is over its starts only, at
+        the learning rate chosen for LoRA (the paper's own procedure), which halves its search runs."""
         settings = self.settings
-        searches = {method: {lr: self.search_run(method, lr) for lr in settings.learning_rates}
-                    for method in methods}
+        searches = {}
+        for method in sorted(methods, key=lambda method: method != "lora"):  # LoRA first: Bitune may need its rate
+            learning_rates = settings.learning_rates
+            if bitune_lr_from_lora and method != "lora":
+                learning_rates = (max(searches["lora"], key=lambda lr: searches["lora"][lr]["validation"]["average"]),)
+            searches[method] = {lr: self.search_run(method, lr) for lr in learning_rates}
         chosen_lr = {method: max(runs, key=lambda lr: runs[lr]["validation"]["average"])
                      for method, runs in searches.items()}
         starts = [m for m in BITUNE_STARTS if m in chosen_lr]
@@ -394,7 +400,8 @@ class Experiment:
                                             "loss_curve": r["loss_curve"], "train_seconds": r["train_seconds"],
                                             **({"alphas": r["alphas"]} if "alphas" in r else {})}
                                 for lr, r in runs_.items()} for method, runs_ in searches.items()},
-            "chosen": {"learning_rate": {m: chosen_lr[m] for m in final}, "bitune_start": bitune},
+            "chosen": {"learning_rate": {m: chosen_lr[m] for m in final}, "bitune_start": bitune,
+                       "bitune_learning_rate_from_lora": bitune_lr_from_lora},
             "runs": {("bitune" if method == bitune else method): {str(seed): record for seed, record in seeds.items()}
                      for method, seeds in runs.items()},
             "seconds": round(time.time() - self.started),
@@ -425,6 +432,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--work_dir", help="keep each finished run here (to resume; processes may share it)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--bitune_lr_from_lora", action="store_true",
+                        help="search Bitune's starts at LoRA's chosen learning rate only (the paper's procedure)")
     parser.add_argument("--seeds", nargs="+", type=int)
     parser.add_argument("--learning_rates", nargs="+", type=float)
     for name in ("steps", "batch_size", "rank", "max_length", "train_rows_per_task", "validation_rows_per_task",
@@ -442,6 +451,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
             parser.error(f"`--{name}` must be at least 1, got {chosen[name]}.")
     if len(chosen["learning_rates"]) > 1 and chosen["validation_rows_per_task"] < 1:
         parser.error("a learning-rate search needs a validation slice: set --validation_rows_per_task above 0.")
+    if args.bitune_lr_from_lora and "lora" not in args.methods:
+        parser.error("`--bitune_lr_from_lora` takes LoRA's chosen learning rate: add `lora` to `--methods`.")
     if len(set(chosen["seeds"])) != len(chosen["seeds"]):
         parser.error(f"`--seeds` must be distinct, got {chosen['seeds']}.")
     if args.base not in BASES and not (Path(args.base) / "config.json").is_file():
@@ -467,7 +478,7 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.redirect_stdout(sys.stderr):
         base = BASES.get(args.base) or BaseModel(Path(args.base).name, f"the saved model at {args.base}")
         experiment = Experiment(settings, base, args.work_dir, args.smoke, log=log)
-        results = experiment.run(tuple(args.methods))
+        results = experiment.run(tuple(args.methods), bitune_lr_from_lora=args.bitune_lr_from_lora)
     results["smoke"] = args.smoke
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
