@@ -50,15 +50,16 @@ _watching: dict[int, tuple[weakref.ref, RemovableHandle]] = {}
 def watch_for_peft_model(tuner: nn.Module) -> None:
     """Give the `PeftModel` that `tuner` will be attached to (as its `base_model`) a `save_pretrained` that refuses
     pickles; see the module docstring. Called when a `BituneModel` is built."""
-    for key, (tuner_ref, handle) in list(_watching.items()):
-        if tuner_ref() is None:  # a tuner that was never attached, and is gone
-            handle.remove()
+    for key, (watched, watching) in list(_watching.items()):
+        if watched() is None:  # a tuner that was never attached, and is gone
+            watching.remove()
             del _watching[key]
     stop_watching(tuner)
     tuner_ref = weakref.ref(tuner)
 
     def on_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
-        if name == "base_model" and submodule is tuner_ref() and isinstance(module, PeftModel):
+        attached = name == "base_model" and submodule is not None and submodule is tuner_ref()
+        if attached and isinstance(module, PeftModel):
             # An instance attribute: it shadows PEFT's method for this model only, and survives deepcopy and pickling.
             module.__dict__["save_pretrained"] = functools.partial(save_pretrained_safetensors_only, module)
 
