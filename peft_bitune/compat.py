@@ -8,11 +8,12 @@ Everything peft-bitune needs from other libraries beyond their public API, decid
    - transformers 5.23 renamed gradient checkpointing to activation checkpointing: the `TrainingArguments`
      `gradient_checkpointing` (and `_kwargs`) and `gradient_checkpointing_enable` became `activation_checkpointing*`
      (the old names go away in 6.0).
-2. Private attributes and methods of transformers, PEFT, torch and accelerate that Bitune must read or set because
-   no public interface does what it needs: routing PEFT's layers to one weight set, keeping caches in checkpointed
-   layers, transformers' own resolution of generation arguments, finding hooks around a module's forward, adding a
-   member to PEFT's closed `PeftType` enum. Each one has a test in tests/test_private_interfaces.py that fails with a
-   clear message when an upgrade moves it.
+2. Private attributes and methods of transformers, PEFT, torch, accelerate and bitsandbytes that Bitune must read or
+   set because no public interface does what it needs: routing PEFT's layers to one weight set, keeping caches in
+   checkpointed layers, transformers' own resolution of generation arguments, finding hooks around a module's forward,
+   adding a member to PEFT's closed `PeftType` enum, keeping bitsandbytes' 4-bit layers out of their CPU inference
+   layout. Each one has a test in tests/test_private_interfaces.py that fails with a clear message when an upgrade
+   moves it.
 
 Every other module uses these through the functions here. Overrides of other libraries' private methods must live
 on their classes: `BituneKVMixer._apply` (torch's dtype casts; tested in tests/test_forward.py) and the `BaseTuner`
@@ -25,7 +26,8 @@ import copy
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -283,3 +285,31 @@ def forwards_are_hooked(modules: Sequence[nn.Module]) -> bool:
         if active(module._forward_hooks) or active(module._forward_pre_hooks):
             return True
     return False
+
+
+# ---------------------------------------------------------------------------------------------------- bitsandbytes
+def keep_4bit_layers_in_training_layout(modules: Iterable[nn.Module]) -> None:
+    """
+    Turn off bitsandbytes' CPU inference repacking of the 4-bit layers among `modules`, and undo it where it already
+    happened (see `peft_bitune.quantization.prepare_quantized_layers` for why).
+
+    `Linear4bit.forward` repacks when the instance attribute `support_avx512bf16_for_cpu` is true (set in its
+    `__init__` from the CPU's features); a repacked weight's `quant_state` has `packing_format_for_cpu` set, and
+    `bitsandbytes.functional._convert_weight_packed_for_cpu_inverse` restores the usual layout, as bitsandbytes itself
+    does before saving the layer or moving it to a GPU (the scales stay rounded to bf16, as they are then). Releases
+    without the repacking have neither attribute, and nothing is to be done. bitsandbytes is only looked for among the
+    imported modules: a model with 4-bit layers has imported it.
+    """
+    bitsandbytes = sys.modules.get("bitsandbytes")
+    if bitsandbytes is None:
+        return
+    for module in modules:
+        if not isinstance(module, bitsandbytes.nn.Linear4bit):
+            continue
+        module.support_avx512bf16_for_cpu = False
+        weight = module.weight
+        if getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+

@@ -43,6 +43,7 @@ from .layout import ConversationLayout
 from .mixing import BituneKVMixer
 from .passes import BitunePasses, answer_loss, decoder_of
 from .persistence import BituneCheckpointMixin
+from .quantization import check_quantized_base, prepare_quantized_layers
 from .sharding import LayerPath, check_sharding
 
 
@@ -82,6 +83,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
         if not isinstance(config, BituneConfig):
             raise TypeError(f"BituneModel holds only Bitune adapters; `{adapter_name}` has a {type(config).__name__}.")
         _check_model_supported(model)
+        check_quantized_base(model, config.adapter_config)
         if INNER_SEPARATOR in adapter_name:
             raise ValueError(f"Bitune adapter names cannot contain '{INNER_SEPARATOR}', got `{adapter_name}`.")
         inner = self.__dict__.get("_inner_tuner")
@@ -105,6 +107,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                     model, name, autocast_adapter_dtype=autocast_adapter_dtype, low_cpu_mem_usage=low_cpu_mem_usage
                 )
         self._forget_module_index()
+        prepare_quantized_layers(model)
         if MIXERS_ATTRIBUTE not in dict(self.named_children()):
             self.add_module(MIXERS_ATTRIBUTE, nn.ModuleDict())
         device = next(p.device for p in model.parameters())
@@ -190,7 +193,8 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
             raise ValueError(
                 "Bitune needs non-reentrant gradient checkpointing (reentrant checkpointing drops the gradients "
                 "of the key/value projections that flow through the mixed cache). Enable it with "
-                f"{compat.checkpointing_hint()}."
+                f"{compat.checkpointing_hint()}. (PEFT's `prepare_model_for_kbit_training` turns on reentrant "
+                "checkpointing unless given `gradient_checkpointing_kwargs={'use_reentrant': False}`.)"
             )
         with compat.checkpointed_layers_keep_caches(checkpointing, self._recompute_with_same_weights):
             yield
