@@ -288,28 +288,24 @@ def forwards_are_hooked(modules: Sequence[nn.Module]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------- bitsandbytes
-def keep_4bit_layers_in_training_layout(modules: Iterable[nn.Module]) -> None:
-    """
-    Turn off bitsandbytes' CPU inference repacking of the 4-bit layers among `modules`, and undo it where it already
-    happened (see `peft_bitune.quantization.prepare_quantized_layers` for why).
-
-    `Linear4bit.forward` repacks when the instance attribute `support_avx512bf16_for_cpu` is true (set in its
-    `__init__` from the CPU's features); a repacked weight's `quant_state` has `packing_format_for_cpu` set, and
-    `bitsandbytes.functional._convert_weight_packed_for_cpu_inverse` restores the usual layout, as bitsandbytes itself
-    does before saving the layer or moving it to a GPU (the scales stay rounded to bf16, as they are then). Releases
-    without the repacking have neither attribute, and nothing is to be done. bitsandbytes is only looked for among the
-    imported modules: a model with 4-bit layers has imported it.
-    """
+def bitsandbytes_4bit_layers(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """The bitsandbytes 4-bit linear layers among `modules`. bitsandbytes is only looked for among the imported
+    modules: a model with 4-bit layers has imported it, and importing it otherwise costs seconds."""
     bitsandbytes = sys.modules.get("bitsandbytes")
     if bitsandbytes is None:
-        return
-    for module in modules:
-        if not isinstance(module, bitsandbytes.nn.Linear4bit):
-            continue
-        module.support_avx512bf16_for_cpu = False
-        weight = module.weight
-        if getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
-            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+        return []
+    return [module for module in modules if isinstance(module, bitsandbytes.nn.Linear4bit)]
 
-            weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
 
+def is_repacked_for_cpu_inference(layer: nn.Module) -> bool:
+    """Whether bitsandbytes has repacked a 4-bit layer's weight for its bf16 CPU inference kernel: it then marks the
+    weight's `quant_state` with `packing_format_for_cpu`."""
+    state = getattr(layer.weight, "quant_state", None)
+    return bool(getattr(state, "packing_format_for_cpu", False))
+
+
+def keep_out_of_cpu_inference_layout(layer: nn.Module) -> None:
+    """Stop bitsandbytes from repacking a 4-bit layer for CPU inference: `Linear4bit.forward` repacks (in eval mode,
+    without gradients) when the instance attribute `support_avx512bf16_for_cpu`, set in its `__init__` from the CPU's
+    features, is true. Releases without the repacking do not read it."""
+    layer.support_avx512bf16_for_cpu = False

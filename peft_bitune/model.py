@@ -92,6 +92,7 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                 f"All Bitune adapters of one model must use the same PEFT method; this model uses "
                 f"{type(inner).__name__}, and `{adapter_name}` asks for {config.adapter_config.peft_type}."
             )
+        prepare_quantized_layers(model)
         for weight_set in config.weight_sets:
             name = inner_adapter_name(adapter_name, weight_set)
             inner_config = copy.deepcopy(config.adapter_config)
@@ -107,7 +108,6 @@ class BituneModel(BituneCheckpointMixin, BituneGenerationMixin, BaseTuner):
                     model, name, autocast_adapter_dtype=autocast_adapter_dtype, low_cpu_mem_usage=low_cpu_mem_usage
                 )
         self._forget_module_index()
-        prepare_quantized_layers(model)
         if MIXERS_ATTRIBUTE not in dict(self.named_children()):
             self.add_module(MIXERS_ATTRIBUTE, nn.ModuleDict())
         device = next(p.device for p in model.parameters())

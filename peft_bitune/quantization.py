@@ -51,7 +51,19 @@ def quantization_name(model: nn.Module) -> str | None:
 
 def check_quantized_base(model: nn.Module, adapter_config: PeftConfig) -> None:
     """Refuse, before any weight is created, an inner PEFT method whose layers over this model's quantized layers are
-    not checked here."""
+    not checked here, and 4-bit layers that bitsandbytes has already repacked for CPU inference (see
+    `prepare_quantized_layers`)."""
+    repacked = [layer for layer in compat.bitsandbytes_4bit_layers(model.modules())
+                if compat.is_repacked_for_cpu_inference(layer)]
+    if repacked:
+        raise ValueError(
+            f"{len(repacked)} of the base model's 4-bit layers were repacked by bitsandbytes for its bf16 CPU kernel, "
+            "which it does the first time a 4-bit layer runs on a CPU in eval mode without gradients (e.g. "
+            "`generate` on the base model). A repacked layer passes no gradient to its input and breaks DoRA, and "
+            "bitsandbytes cannot restore the usual layout exactly. Load the base model again and wrap it "
+            "(`get_peft_model`, `PeftModel.from_pretrained`) before running it; Bitune then keeps its 4-bit layers "
+            "out of that layout."
+        )
     quantization = quantization_name(model)
     method = peft_type_name(adapter_config.peft_type)
     if quantization is None or method in QUANTIZED_BASE_METHODS:
@@ -70,12 +82,13 @@ def prepare_quantized_layers(model: nn.Module) -> None:
     """
     Keep bitsandbytes' 4-bit layers in the layout that training and PEFT need, also on a CPU.
 
-    On a CPU with AVX512-BF16, bitsandbytes (0.49 and later) repacks a 4-bit layer's weight for a bf16 inference kernel
-    the first time the layer runs in eval mode without gradients (in `generate`, or a Trainer's evaluation). From then
-    on the layer passes no gradient to its input, so the adapters of every earlier layer would silently train on
-    wrong gradients; PEFT's DoRA, which de-quantizes the weight itself, reads the repacked layout as garbage; and the
-    layer computes in bf16 whatever `bnb_4bit_compute_dtype` says. So the repacking is turned off for every 4-bit layer
-    of a Bitune model, and undone where it already happened: inference on a CPU then runs the de-quantizing path that
-    training runs (slower than the bf16 kernel). GPUs are not affected.
+    On a CPU with AVX512-BF16, bitsandbytes (0.50 here) repacks a 4-bit layer's weight for a bf16 inference kernel the
+    first time the layer runs in eval mode without gradients (in `generate`, or a Trainer's evaluation). From then on
+    the layer passes no gradient to its input, so the adapters of every earlier layer would silently train on wrong
+    gradients; PEFT's DoRA, which de-quantizes the weight itself, reads the repacked layout as garbage; and the layer
+    computes in bf16 whatever `bnb_4bit_compute_dtype` says. So the repacking is turned off for every 4-bit layer of a
+    Bitune model: inference on a CPU runs the de-quantizing path that training runs (slower than the bf16 kernel).
+    GPUs are not affected.
     """
-    compat.keep_4bit_layers_in_training_layout(model.modules())
+    for layer in compat.bitsandbytes_4bit_layers(model.modules()):
+        compat.keep_out_of_cpu_inference_layout(layer)

@@ -67,6 +67,22 @@ ATTENTION_CASES = [
 ]
 
 
+def why_bitsandbytes_cannot_run() -> str | None:
+    """Why bitsandbytes' 4-bit layers cannot run on this machine's CPU (not installed, or failing), or None if they
+    can: the quantized-base tests skip with this reason, and only then."""
+    try:
+        import bitsandbytes
+    except ImportError as error:
+        return f"bitsandbytes is not installed ({error}); `pip install -e '.[dev]'` (or '.[qlora]') installs it"
+    try:
+        layer = bitsandbytes.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32)
+        layer.weight = bitsandbytes.nn.Params4bit(torch.randn(64, 64), requires_grad=False, quant_type="nf4")
+        layer.to("cpu")(torch.randn(2, 64))
+    except Exception as error:  # any failure means the same here: no 4-bit layers on this CPU
+        return f"bitsandbytes {bitsandbytes.__version__} cannot run a 4-bit layer on this CPU: {error!r}"
+    return None
+
+
 @pytest.fixture(scope="session")
 def saved_models(tmp_path_factory) -> dict[str, str]:
     """Each architecture's tiny random model, written once with `save_pretrained`."""

@@ -23,6 +23,7 @@ of the two sides differ in the last bits, a rounding can land on the neighbourin
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import datasets
 import pytest
@@ -40,36 +41,21 @@ from peft import (
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from conftest import VOCAB
+from conftest import VOCAB, why_bitsandbytes_cannot_run
 from peft_bitune import BituneConfig, compat
 from reference import left_padded, make_bitune, reference_greedy
 from test_forward import assert_matches_reference, make_batch, trainable_grads
 from test_generate import GREEDY, generated, prompts
 
-
-def _why_bitsandbytes_cannot_run() -> str | None:
-    """Why bitsandbytes' 4-bit layers cannot run on this machine's CPU, or None if they can."""
-    try:
-        import bitsandbytes
-    except ImportError as error:
-        return f"bitsandbytes is not installed ({error}); `pip install -e '.[dev]'` (or '.[qlora]') installs it"
-    try:
-        layer = bitsandbytes.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32)
-        layer.weight = bitsandbytes.nn.Params4bit(torch.randn(64, 64), requires_grad=False, quant_type="nf4")
-        layer.to("cpu")(torch.randn(2, 64))
-    except Exception as error:  # noqa: BLE001 - any failure means the same: no 4-bit layers on this CPU
-        return f"bitsandbytes {bitsandbytes.__version__} cannot run a 4-bit layer on this CPU: {error!r}"
-    return None
-
-
-_PROBLEM = _why_bitsandbytes_cannot_run()
+_PROBLEM = why_bitsandbytes_cannot_run()
 if _PROBLEM is not None:
     pytest.skip(_PROBLEM, allow_module_level=True)
 
 import bitsandbytes  # noqa: E402  (after the check above, which says why it could not be used)
 
-MINIATURE_BASE = "examples/miniature/base"
-MINIATURE_DATA = "examples/miniature/data"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+MINIATURE_BASE = str(EXAMPLES / "miniature" / "base")
+MINIATURE_DATA = str(EXAMPLES / "miniature" / "data")
 
 QUANTIZATIONS = {
     "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32),
@@ -212,6 +198,20 @@ def test_training_after_generation_gets_the_gradients_of_a_fresh_model(saved_mod
     assert got.keys() == expected.keys()
     for name in got:
         assert torch.equal(got[name], expected[name]), name
+
+
+def test_a_base_that_bitsandbytes_repacked_for_cpu_inference_is_refused():
+    base = load_quantized(MINIATURE_BASE, "nf4")  # repacking needs layer widths the tiny test models do not have
+    with torch.no_grad():
+        base(input_ids=torch.randint(3, VOCAB, (1, 5)))  # e.g. `generate` on the base model before wrapping it
+    if not any(compat.is_repacked_for_cpu_inference(m) for m in compat.bitsandbytes_4bit_layers(base.modules())):
+        pytest.skip(
+            f"bitsandbytes {bitsandbytes.__version__} does not repack 4-bit layers for inference here (this CPU has "
+            "no AVX512-BF16, or the release predates the repacking): there is nothing to refuse"
+        )
+    with pytest.raises(ValueError, match="repacked by bitsandbytes.*Load the base model again"):
+        get_peft_model(base, BituneConfig())
+    assert not any(isinstance(module, BaseTunerLayer) for module in base.modules())
 
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
