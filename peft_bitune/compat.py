@@ -8,11 +8,12 @@ Everything peft-bitune needs from other libraries beyond their public API, decid
    - transformers 5.23 renamed gradient checkpointing to activation checkpointing: the `TrainingArguments`
      `gradient_checkpointing` (and `_kwargs`) and `gradient_checkpointing_enable` became `activation_checkpointing*`
      (the old names go away in 6.0).
-2. Private attributes and methods of transformers, PEFT, torch and accelerate that Bitune must read or set because
-   no public interface does what it needs: routing PEFT's layers to one weight set, keeping caches in checkpointed
-   layers, one more position in the generation cache's sliding-window layers, transformers' own resolution of
-   generation arguments, finding hooks around a module's forward, adding a member to PEFT's closed `PeftType` enum.
-   Each one has a test in tests/test_private_interfaces.py that fails with a clear message when an upgrade moves it.
+2. Private attributes and methods of transformers, PEFT, torch, accelerate and bitsandbytes that Bitune must read or
+   set because no public interface does what it needs: routing PEFT's layers to one weight set, keeping caches in
+   checkpointed layers, one more position in the generation cache's sliding-window layers, transformers' own
+   resolution of generation arguments, finding hooks around a module's forward, adding a member to PEFT's closed
+   `PeftType` enum, keeping bitsandbytes' 4-bit layers out of their CPU inference layout. Each one has a test in
+   tests/test_private_interfaces.py that fails with a clear message when an upgrade moves it.
 
 Every other module uses these through the functions here. Overrides of other libraries' private methods must live
 on their classes: `BituneKVMixer._apply` (torch's dtype casts; tested in tests/test_forward.py) and the `BaseTuner`
@@ -25,7 +26,8 @@ import copy
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -301,3 +303,27 @@ def forwards_are_hooked(modules: Sequence[nn.Module]) -> bool:
         if active(module._forward_hooks) or active(module._forward_pre_hooks):
             return True
     return False
+
+
+# ---------------------------------------------------------------------------------------------------- bitsandbytes
+def bitsandbytes_4bit_layers(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """The bitsandbytes 4-bit linear layers among `modules`. bitsandbytes is only looked for among the imported
+    modules: a model with 4-bit layers has imported it, and importing it otherwise costs seconds."""
+    bitsandbytes = sys.modules.get("bitsandbytes")
+    if bitsandbytes is None:
+        return []
+    return [module for module in modules if isinstance(module, bitsandbytes.nn.Linear4bit)]
+
+
+def is_repacked_for_cpu_inference(layer: nn.Module) -> bool:
+    """Whether bitsandbytes has repacked a 4-bit layer's weight for its bf16 CPU inference kernel: it then marks the
+    weight's `quant_state` with `packing_format_for_cpu`."""
+    state = getattr(layer.weight, "quant_state", None)
+    return bool(getattr(state, "packing_format_for_cpu", False))
+
+
+def keep_out_of_cpu_inference_layout(layer: nn.Module) -> None:
+    """Stop bitsandbytes from repacking a 4-bit layer for CPU inference: `Linear4bit.forward` repacks (in eval mode,
+    without gradients) when the instance attribute `support_avx512bf16_for_cpu`, set in its `__init__` from the CPU's
+    features, is true. Releases without the repacking do not read it."""
+    layer.support_avx512bf16_for_cpu = False

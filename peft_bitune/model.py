@@ -37,6 +37,7 @@ from .inputs import check_base_model_supported
 from .mixing import BituneKVMixer
 from .passes import BitunePasses
 from .persistence import BituneCheckpointMixin
+from .quantization import check_quantized_base, prepare_quantized_layers
 from .routing import LayerRouter
 from .safetensors_only import stop_watching, watch_for_peft_model
 
@@ -78,6 +79,7 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
         if not isinstance(config, BituneConfig):
             raise TypeError(f"BituneModel holds only Bitune adapters; `{adapter_name}` has a {type(config).__name__}.")
         check_base_model_supported(model)
+        check_quantized_base(model, config.adapter_config)
         match_base_model(config, model, adapter_name)
         if INNER_SEPARATOR in adapter_name:
             raise ValueError(f"Bitune adapter names cannot contain '{INNER_SEPARATOR}', got `{adapter_name}`.")
@@ -87,6 +89,7 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
                 f"All Bitune adapters of one model must use the same PEFT method; this model uses "
                 f"{type(inner).__name__}, and `{adapter_name}` asks for {config.adapter_config.peft_type}."
             )
+        prepare_quantized_layers(model)
         for weight_set in config.weight_sets:
             name = inner_adapter_name(adapter_name, weight_set)
             inner_config = copy.deepcopy(config.adapter_config)

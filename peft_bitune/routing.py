@@ -116,7 +116,8 @@ class LayerRouter:
             raise ValueError(
                 "Bitune needs non-reentrant gradient checkpointing (reentrant checkpointing drops the gradients "
                 "of the key/value projections that flow through the mixed cache). Enable it with "
-                f"{compat.checkpointing_hint()}."
+                f"{compat.checkpointing_hint()}. (PEFT's `prepare_model_for_kbit_training` turns on reentrant "
+                "checkpointing unless given `gradient_checkpointing_kwargs={'use_reentrant': False}`.)"
             )
         with compat.checkpointed_layers_keep_caches(checkpointing, self._recompute_with_same_weights):
             yield

@@ -1,6 +1,7 @@
-"""The private attributes and methods of transformers, PEFT, torch and accelerate that peft-bitune relies on (all used
-through peft_bitune/compat.py): one test each, checking that the installed release still behaves as compat.py assumes,
-so that an upgrade that moves one fails here, by name, instead of silently changing what Bitune computes."""
+"""The private attributes and methods of transformers, PEFT, torch, accelerate and bitsandbytes that peft-bitune relies
+on (all used through peft_bitune/compat.py): one test each, checking that the installed release still behaves as
+compat.py assumes, so that an upgrade that moves one fails here, by name, instead of silently changing what Bitune
+computes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from bitsandbytes_support import why_bitsandbytes_cannot_run
 from peft_bitune import BituneConfig, compat
 from peft_bitune.caches import pass_cache
 from peft_bitune.common import BITUNE_TYPE_NAME, inner_adapter_name, num_layers
@@ -238,3 +240,53 @@ def test_torch_marks_the_modules_fsdp_manages(tmp_path):
         assert compat.forwards_are_hooked([model[0]]), message
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------- bitsandbytes
+def _4bit_layer(seed: int):
+    import bitsandbytes
+
+    torch.manual_seed(seed)
+    layer = bitsandbytes.nn.Linear4bit(128, 64, bias=False, compute_dtype=torch.float32)
+    layer.weight = bitsandbytes.nn.Params4bit(torch.randn(64, 128), requires_grad=False, quant_type="nf4")
+    return layer.to("cpu").eval()
+
+
+def test_bitsandbytes_repacks_4bit_layers_for_cpu_inference_only_where_compat_expects_it():
+    problem = why_bitsandbytes_cannot_run()
+    if problem is not None:
+        pytest.skip(problem)
+    import bitsandbytes
+
+    layer = _4bit_layer(0)
+    assert compat.bitsandbytes_4bit_layers([nn.Linear(2, 2), layer]) == [layer]
+    can_repack = bool(getattr(layer, "support_avx512bf16_for_cpu", False))
+    with torch.no_grad():
+        layer(torch.randn(2, 128))
+    assert compat.is_repacked_for_cpu_inference(layer) == can_repack, UPGRADE.format(
+        library="bitsandbytes",
+        does="repacks a 4-bit layer for CPU inference exactly when its `support_avx512bf16_for_cpu` is set, marking "
+        "its `quant_state` with `packing_format_for_cpu`",
+        function="is_repacked_for_cpu_inference",
+    )
+    if can_repack:  # the harm the repacking does, and why Bitune keeps it off
+        inputs = torch.randn(2, 128, requires_grad=True)
+        layer.train()
+        layer(inputs).sum().backward()
+        assert inputs.grad is None
+
+    kept = _4bit_layer(0)
+    original = bitsandbytes.functional.dequantize_4bit(kept.weight.data, kept.weight.quant_state)
+    compat.keep_out_of_cpu_inference_layout(kept)
+    with torch.no_grad():
+        kept(torch.randn(2, 128))
+    assert not compat.is_repacked_for_cpu_inference(kept), UPGRADE.format(
+        library="bitsandbytes",
+        does="leaves a 4-bit layer unpacked when its `support_avx512bf16_for_cpu` is false",
+        function="keep_out_of_cpu_inference_layout",
+    )
+    assert torch.equal(bitsandbytes.functional.dequantize_4bit(kept.weight.data, kept.weight.quant_state), original)
+    inputs = torch.randn(2, 128, requires_grad=True)
+    kept.train()
+    kept(inputs).sum().backward()
+    assert inputs.grad is not None

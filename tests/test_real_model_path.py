@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from bitsandbytes_support import why_bitsandbytes_cannot_run
 from test_smollm2_loader import write_tiny_llama_gguf
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -93,3 +94,19 @@ def test_quickstart_on_chat_messages_then_a_chat_that_continues_the_cache(tiny_f
         logits = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).logits
     targets = (torch.tensor(labels) != -100).nonzero().flatten()
     assert logits[0, targets - 1].argmax(-1).tolist() == torch.tensor(labels)[targets].tolist()
+
+
+@pytest.mark.slow
+def test_the_qlora_comparison_runs_bitune_over_a_4bit_base_and_serves_it_on_the_float_base(tiny_folder):
+    problem = why_bitsandbytes_cannot_run()
+    if problem is not None:
+        pytest.skip(problem)
+    qlora = load_example("smollm2/qlora")
+    result = qlora.one_run("bitune-4bit", steps=1, evaluate=True, folder=str(tiny_folder))
+    assert result["run"] == "bitune-4bit" and result["steps"] == 1
+    assert result["peak_rss_training_mib"] >= result["rss_after_loading_mib"] > 0
+    for base in ("on_4bit_base", "on_float_base"):
+        held_out = result[base]
+        assert held_out["answer_tokens"] > 0 and held_out["answer_loss"] > 0
+        assert len(held_out["answers"]) == held_out["prompts"] == qlora.HELD_OUT_PROMPTS
+    assert 0 <= result["same_answer_on_both_bases"] <= qlora.HELD_OUT_PROMPTS
