@@ -68,6 +68,11 @@ class ModelWorker:
         """`submit`, awaitable from the running event loop."""
         return asyncio.wrap_future(self.submit(function, *args, **kwargs))
 
+    def pending(self) -> int:
+        """How many jobs wait in the queue (not counting those running)."""
+        with self._ready:
+            return len(self._queue)
+
     def close(self, timeout: float | None = None) -> None:
         """Stop the thread once the jobs queued before this call have run."""
         with self._ready:
