@@ -115,6 +115,26 @@ def test_a_request_larger_than_the_token_budget_is_answered_alone(serving_adapte
         BatchLimits(max_batch_size=0)
 
 
+def test_a_short_answer_is_delivered_when_its_row_ends_not_when_its_batch_does(
+    serving_adapter, serving_tokenizer, serving_template
+):
+    model = load_model(serving_adapter)
+    model.generation_config.eos_token_id = None  # answers run to max_tokens
+    engine = ChatEngine(model, serving_tokenizer, serving_template, 64 * 2**20)
+    requests = ChatCompletions(engine, NAME)
+    short, long = body([user(STORIES[0])], max_tokens=2), body([user(STORIES[1])], max_tokens=40)
+    release = threading.Event()
+    busy = engine.worker.submit(release.wait, REQUEST_TIMEOUT_S)
+    futures = [engine.submit(requests.chat_request(b)) for b in (short, long)]
+    release.set()
+    busy.result(REQUEST_TIMEOUT_S)
+    answer = futures[0].result(REQUEST_TIMEOUT_S)
+    assert not futures[1].done()  # 38 decoding steps to go
+    assert len(futures[1].result(REQUEST_TIMEOUT_S).answer_ids) == 40
+    assert answer.answer_ids == engine.run(requests.chat_request(short)).answer_ids
+    assert engine.worker.batch_sizes == {2: 1}
+
+
 def test_streams_in_one_batch_stay_apart_and_a_client_that_leaves_frees_its_row(
     serving_adapter, serving_tokenizer, serving_template
 ):
@@ -174,8 +194,9 @@ class Pairs:
     def can_join(self, batch: list[int], item: int) -> bool:
         return len(batch) < 2 and item % 2 == batch[0] % 2
 
-    def run_batch(self, items: list[int]) -> list:
+    def run_batch(self, items: list[int], deliver) -> list:
         self.batches.append(items)
+        deliver(0, "early")  # handed over before the batch ends; the result returned later is not set again
         return [ValueError(item) if item < 0 else 2 * item for item in items]
 
 
@@ -188,7 +209,8 @@ def test_the_worker_batches_what_waits_behind_the_head_and_keeps_the_order_of_th
     assert worker.pending() == 6
     release.set()
     busy.result(REQUEST_TIMEOUT_S)
-    assert futures[0].result(REQUEST_TIMEOUT_S) == 2 and futures[5].result(REQUEST_TIMEOUT_S) == 8
+    assert futures[0].result(REQUEST_TIMEOUT_S) == "early" and futures[2].result(REQUEST_TIMEOUT_S) == 6
+    assert futures[5].result(REQUEST_TIMEOUT_S) == "early"
     with pytest.raises(ValueError):
         futures[4].result(REQUEST_TIMEOUT_S)  # one failed item; the others of its batch stand
     worker.close(REQUEST_TIMEOUT_S)

@@ -12,7 +12,7 @@ positions, and no row attends to another's padding. Batches are static: a batch 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -77,6 +77,8 @@ class RowStops(StoppingCriteria):
         eos_ids (`set[int]`): the end-of-sequence token ids.
         stop_criteria (`list`): per row, a `StopStringCriteria` of its stop strings, or None.
         cancelled (`list`): per row, a `threading.Event` set when its client left, or None.
+        on_end (`Callable[[int, torch.Tensor], None]`, *optional*): called with a row and the sequences so far once
+            that row has ended (the batch's cache then holds the row's columns up to its last token but one).
     """
 
     def __init__(
@@ -86,12 +88,14 @@ class RowStops(StoppingCriteria):
         eos_ids: set[int],
         stop_criteria: list[StoppingCriteria | None],
         cancelled: list[threading.Event | None],
+        on_end: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
         self.prompt_width = prompt_width
         self.max_new_tokens = max_new_tokens
         self.eos_ids = eos_ids
         self.stop_criteria = stop_criteria
         self.cancelled = cancelled
+        self.on_end = on_end
         self.lengths: list[int | None] = [None] * len(max_new_tokens)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
@@ -100,6 +104,8 @@ class RowStops(StoppingCriteria):
         for row, length in enumerate(self.lengths):
             if length is None and self._ends(row, generated, last[row], input_ids, scores):
                 self.lengths[row] = generated
+                if self.on_end is not None:
+                    self.on_end(row, input_ids)
         return torch.tensor([length is not None for length in self.lengths], device=input_ids.device)
 
     def _ends(self, row: int, generated: int, last: int, input_ids: torch.Tensor, scores: torch.Tensor) -> bool:

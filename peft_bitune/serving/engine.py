@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,10 +194,13 @@ class ChatEngine:
             return request.max_tokens
         return self.max_positions - len(request.prompt) if self.max_positions else 1024
 
-    def run_batch(self, rows: list[_Row]) -> list[ChatResult | BaseException | None]:
+    def run_batch(
+        self, rows: list[_Row], deliver: Callable[[int, Any], None] | None = None
+    ) -> list[ChatResult | BaseException | None]:
         """
         Answer rows together; runs on the worker thread. Returns one result per row: a `ChatResult`, None for a row
-        whose client left, or the exception of a row that failed.
+        whose client left, or the exception of a row that failed. With `deliver`, a row's result is also handed to
+        `deliver(index, result)` as soon as the row has ended, while the batch decodes on for the others.
 
         Each row's prompt is read alone (`read`, from its kept conversation where there is one), then all are decoded
         in one `generate`. A row that fails after it took a kept conversation drops that conversation (its cache may
@@ -216,12 +219,17 @@ class ChatEngine:
             else:
                 ready.append((index, _Read(row, cache, cached_tokens)))
         if ready:
-            for (index, _), result in zip(ready, self._decode([read for _, read in ready])):
+            early = None if deliver is None else (lambda number, result: deliver(ready[number][0], result))
+            for (index, _), result in zip(ready, self._decode([read for _, read in ready], early)):
                 results[index] = result
         return results
 
-    def _decode(self, reads: list[_Read]) -> list[ChatResult | None]:
-        """Decode read prompts in one `generate`, left-padded; keep each finished conversation."""
+    def _decode(
+        self, reads: list[_Read], deliver: Callable[[int, Any], None] | None = None
+    ) -> list[ChatResult | BaseException | None]:
+        """Decode read prompts in one `generate`, left-padded; keep each finished conversation. In a batch of several,
+        each row's result is made (and handed to `deliver`) when the row ends, from its columns of the batch's cache
+        as they stand then."""
         prompts = [read.row.request.prompt for read in reads]
         width = max(len(prompt) for prompt in prompts)
         generation_config = copy.copy(reads[0].row.request.generation_config)
@@ -239,9 +247,19 @@ class ChatEngine:
             cache.record_conversation(ids[:, :-1], mask[:, :-1])
         for read in reads:
             read.cache = None  # the rows' own caches are in the batch now: free them
+        results: dict[int, ChatResult | BaseException | None] = {}
+
+        def row_ended(row: int, sequences: torch.Tensor) -> None:
+            try:
+                results[row] = self._result(reads[row], row, sequences, cache, stops, alone=False)
+            except Exception as error:  # this row's failure; the batch goes on
+                results[row] = error
+            if deliver is not None:
+                deliver(row, results[row])
+
         stops = RowStops(width, max_new_tokens, _eos_ids(generation_config),
                          [self._stop_criteria(read.row.request.stop) for read in reads],
-                         [read.row.cancelled for read in reads])
+                         [read.row.cancelled for read in reads], row_ended if len(reads) > 1 else None)
         streams = [read.row.streamer for read in reads]
         seed = reads[0].row.request.seed
         if seed is not None:  # only ever alone in its batch (`can_join`)
@@ -255,7 +273,8 @@ class ChatEngine:
             stopping_criteria=StoppingCriteriaList([stops]),
         )
         output_cache = compat.output_cache(output)
-        return [self._result(read, row, output.sequences, output_cache, stops, len(reads) == 1)
+        return [results[row] if row in results else self._result(read, row, output.sequences, output_cache, stops,
+                                                                   len(reads) == 1)
                 for row, read in enumerate(reads)]
 
     def _result(

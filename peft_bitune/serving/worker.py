@@ -27,8 +27,9 @@ class Batcher(Protocol):
     def can_join(self, batch: list[Any], item: Any) -> bool:
         """Whether `item` may be answered in one batch with `batch` (never empty)."""
 
-    def run_batch(self, items: list[Any]) -> list[Any]:
-        """One result per item, in order; an exception instance for an item that failed (the others stand)."""
+    def run_batch(self, items: list[Any], deliver: Callable[[int, Any], None]) -> list[Any]:
+        """One result per item, in order; an exception instance for an item that failed (the others stand).
+        `deliver(index, result)` may hand an item's result over earlier, as soon as it is known."""
 
 
 @dataclass
@@ -129,11 +130,18 @@ class ModelWorker:
     def _run_batch(self, jobs: list[_Job]) -> None:
         self.batch_sizes[len(jobs)] += 1
         try:
-            results = jobs[0].batcher.run_batch([job.item for job in jobs])
+            results = jobs[0].batcher.run_batch([job.item for job in jobs], lambda i, r: _settle(jobs[i].future, r))
         except BaseException as error:  # the whole batch failed: every waiter learns why; the worker goes on
             results = [error] * len(jobs)
         for job, result in zip(jobs, results):
-            if isinstance(result, BaseException):
-                job.future.set_exception(result)
-            else:
-                job.future.set_result(result)
+            _settle(job.future, result)
+
+
+def _settle(future: Future, result: Any) -> None:
+    """Set a future's result (or exception), unless it was already delivered."""
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
