@@ -129,8 +129,9 @@ def measure(model, tokenizer, template, clients: list[int], requests: int, max_t
             identical &= answers["batched"] == answers["unbatched"]
             cell = {arm: summary(runs[arm]) for arm in ARMS}
             cell["throughput_ratio"] = cell["batched"]["tokens_per_s"] / cell["unbatched"]["tokens_per_s"]
-            cell["batch_sizes"] = dict(servers["batched"][0].worker.batch_sizes)
-            servers["batched"][0].worker.batch_sizes.clear()
+            batch_sizes = servers["batched"][0].worker.batch_sizes
+            cell["batch_sizes"] = {str(size): n for size, n in sorted(batch_sizes.items())}
+            batch_sizes.clear()
             result["by_clients"][str(count)] = cell
             print(f"{count} clients: {cell['throughput_ratio']:.2f}x", flush=True)
     result["throughput_ratio"] = {n: cell["throughput_ratio"] for n, cell in result["by_clients"].items()}
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["environment"] = {
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "machine": platform.machine(),
-        "cpus": os.cpu_count(), "load_average": os.getloadavg(),
+        "cpus": os.cpu_count(), "load_average": list(os.getloadavg()),
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
     }
     print(table(report), flush=True)
