@@ -39,10 +39,8 @@ MINIATURE_VOCAB = 1024
 
 def build_model(name: str, device: str, dtype: torch.dtype, tokenizer):
     """A Bitune model with random (non-zero) adapters over the miniature base or a random Llama shape."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    import peft_bitune
     from benchmarks.models import MODEL_SIZES
 
     torch.manual_seed(0)
@@ -52,9 +50,20 @@ def build_model(name: str, device: str, dtype: torch.dtype, tokenizer):
         config = MODEL_SIZES[name].llama_config()
         config.vocab_size = MINIATURE_VOCAB  # the miniature tokenizer renders the chat: every id must decode
         base = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return with_random_adapters(base, device, tokenizer)
+
+
+def with_random_adapters(base, device: str, tokenizer):
+    """`base` with random (non-zero) Bitune adapters, answering with printable tokens and never EOS (answers of a fixed
+    length), in eval mode on `device`."""
+    from peft import LoraConfig, get_peft_model
+
+    import peft_bitune
+
+    torch.manual_seed(0)
     inner = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
     model = get_peft_model(base, peft_bitune.BituneConfig(adapter_config=inner)).to(device).eval()
-    model.generation_config.eos_token_id = None  # fixed-length answers: both servers decode the same tokens
+    model.generation_config.eos_token_id = None  # fixed-length answers: every server decodes the same tokens
     model.generation_config.pad_token_id = 0
     # Random weights pick any token; allow only those that decode to printable text on their own, so that every
     # answer token streams as text and its arrival can be timed.
@@ -62,6 +71,30 @@ def build_model(name: str, device: str, dtype: torch.dtype, tokenizer):
         i for i in range(len(tokenizer)) if not _printable(tokenizer.decode([i]))
     ]
     return model
+
+
+def miniature_chat():
+    """The miniature's tokenizer and chat template (it has none of its own)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(MINIATURE, "base"))
+    with open(os.path.join(MINIATURE, "chat_template.jinja"), encoding="utf-8") as file:
+        return tokenizer, file.read()
+
+
+def start_server(stack: contextlib.ExitStack, model, tokenizer, template: str | None, cache_budget_bytes: int,
+                 limits=None):
+    """A `bitune-serve` app over `model` on a thread of this process (until `stack` closes): its engine, and an
+    `openai` client of it that serves the model under the name "bench"."""
+    import openai
+
+    from peft_bitune.serving import ChatEngine
+    from peft_bitune.serving.app import build_app
+    from peft_bitune.serving.server import serving_in_thread
+
+    engine = ChatEngine(model, tokenizer, template, cache_budget_bytes=cache_budget_bytes, limits=limits)
+    url = stack.enter_context(serving_in_thread(build_app(engine, "bench")))
+    return engine, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
 
 
 def _printable(text: str) -> bool:
@@ -102,16 +135,7 @@ def run_conversation(client, name: str, turns: list[str], max_tokens: int) -> li
 
 
 def measure(model_name: str, device: str, dtype: torch.dtype, rounds: int, max_tokens: int) -> dict:
-    import openai
-    from transformers import AutoTokenizer
-
-    from peft_bitune.serving import ChatEngine
-    from peft_bitune.serving.app import build_app
-    from peft_bitune.serving.server import serving_in_thread
-
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(MINIATURE, "base"))
-    with open(os.path.join(MINIATURE, "chat_template.jinja"), encoding="utf-8") as file:
-        template = file.read()
+    tokenizer, template = miniature_chat()
     model = build_model(model_name, device, dtype, tokenizer)
     turns = user_turns(long=model_name != "miniature")
     modes = {"reuse": 2**30, "full_prefill": 0}
@@ -119,9 +143,7 @@ def measure(model_name: str, device: str, dtype: torch.dtype, rounds: int, max_t
     with contextlib.ExitStack() as stack:
         clients, engines = {}, {}
         for mode, budget in modes.items():  # two servers over the one model; requests never overlap
-            engines[mode] = ChatEngine(model, tokenizer, template, cache_budget_bytes=budget)
-            url = stack.enter_context(serving_in_thread(build_app(engines[mode], "bench")))
-            clients[mode] = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+            engines[mode], clients[mode] = start_server(stack, model, tokenizer, template, budget)
         for round_index in range(rounds + 1):  # the modes alternate, so that a noisy machine slows both alike
             for mode, client in clients.items():
                 engines[mode].store.clear()  # each round a new conversation (the same one would be a retry)

@@ -210,3 +210,25 @@ def test_serving_reuse_reads_only_new_turns_and_writes_its_report(tmp_path):
     for row in reuse + full:
         assert row["completion_tokens"] == 2 and positive_finite(row["time_to_first_token_s"]), row
     assert result["totals"]["read_tokens"]["reuse"] == sum(r["read_tokens"] for r in reuse)
+
+
+def test_serving_throughput_compares_batched_with_one_at_a_time_and_writes_its_report(tmp_path):
+    pytest.importorskip("openai", reason="the serving benchmark needs the `serve` extra")
+    spec = importlib.util.spec_from_file_location("serving_throughput", BENCHMARKS / "serving_throughput.py")
+    serving_throughput = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serving_throughput)
+    with pytest.raises(SystemExit):
+        serving_throughput.main(["--clients", "0"])
+    out = tmp_path / "throughput.json"
+    report = serving_throughput.main(["--clients", "1", "3", "--requests", "1", "--max-tokens", "2", "--rounds", "1",
+                                      "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert report["clients"] == [1, 3] and report["identical"] is True
+    assert set(report["throughput_ratio"]) == {"1", "3"}
+    for count, cell in report["by_clients"].items():
+        assert positive_finite(cell["throughput_ratio"])
+        assert cell["throughput_ratio"] == report["throughput_ratio"][count]
+        for arm in ("batched", "unbatched"):
+            assert positive_finite(cell[arm]["tokens_per_s"]) and cell[arm]["ttft_median_s"] <= cell[arm]["ttft_p90_s"]
+    # Every request of the 3 clients (a warm-up round and a measured one) went through the batching server's worker.
+    assert sum(int(size) * n for size, n in report["by_clients"]["3"]["batch_sizes"].items()) == 2 * 3

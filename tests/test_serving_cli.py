@@ -101,3 +101,12 @@ def test_the_command_serves_the_adapter_behind_its_api_key(serving_adapter):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_batch_limits_below_one_are_refused_before_any_work(capsys):
+    required = ["--model", BASE, "--adapter", "x"]
+    assert cli.parse_args(required).max_batch_size == 8  # the measured default (docs/serving.md)
+    for flag in ("--max-batch-size", "--max-batch-tokens"):
+        with pytest.raises(SystemExit):
+            cli.parse_args([*required, flag, "0"])
+        assert f"{flag} must be at least 1, got 0." in capsys.readouterr().err

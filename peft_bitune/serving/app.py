@@ -5,8 +5,8 @@ Requests are checked here (`validation.py`) and answered with OpenAI's own respo
 server guards itself (`ServerSettings`, as vLLM's server does and a little more): API keys on every `/v1` call, JSON
 bodies only and of bounded size (so that no web page a user visits can drive it with a plain form post), no CORS
 headers and no `/docs` unless asked for. Rendering and tokenizing run on a thread of their own, and the model on the
-engine's worker thread (`engine.py`), so the event loop stays free for other clients (and `/health`) while a long
-request is prepared or answered.
+engine's worker thread (`engine.py`, which answers waiting requests in batches), so the event loop stays free for
+other clients (and `/health`) while a long request is prepared or answered.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ _WORK_DONE = object()  # queued after the worker finished a streaming request, w
 
 
 class ChatCompletions:
-    """`POST /v1/chat/completions` over a `ChatEngine`: validation, then one job on the model worker."""
+    """`POST /v1/chat/completions` over a `ChatEngine`: validation, then one request queued on the model worker."""
 
     def __init__(self, engine: ChatEngine, model_name: str) -> None:
         self.engine = engine
@@ -70,7 +70,7 @@ class ChatCompletions:
         if body.get("stream"):
             return self._stream(request, request_id)
         try:
-            result = await self.engine.worker.async_submit(self.engine.run, request)
+            result = await asyncio.wrap_future(self.engine.submit(request))
         except ValueError as error:  # a check of `generate` (e.g. positions): the request's fault
             raise OpenAIError(400, str(error)) from error
         completion = ChatCompletion(
@@ -153,13 +153,10 @@ class ChatCompletions:
         cancelled = threading.Event()
         stream = TextStream(self.engine.tokenizer, lambda text: loop.call_soon_threadsafe(queue.put_nowait, text))
 
-        def work() -> ChatResult | None:
-            try:
-                return self.engine.run(request, stream, cancelled)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, _WORK_DONE)
-
-        job = self.engine.worker.async_submit(work)
+        work = self.engine.submit(request, stream, cancelled)
+        # Queued after the stream's last text (both go through the loop in order), whatever happened to the work.
+        work.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, _WORK_DONE))
+        job = asyncio.wrap_future(work)
         job.add_done_callback(lambda future: future.cancelled() or future.exception())  # read even if nobody awaits
         created = int(time.time())
 
@@ -267,7 +264,8 @@ def build_app(engine: ChatEngine, model_name: str, settings: ServerSettings | No
     async def health() -> dict:
         store = engine.store
         return {"status": "ok", "kept_conversations": len(store), "kept_cache_bytes": store.nbytes,
-                "cache_budget_bytes": store.max_bytes, "cancelled_streams": handler.cancelled_streams}
+                "cache_budget_bytes": store.max_bytes, "cancelled_streams": handler.cancelled_streams,
+                "batch_sizes": {str(size): count for size, count in sorted(engine.worker.batch_sizes.items())}}
 
     return app
 

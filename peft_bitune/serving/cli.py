@@ -2,6 +2,7 @@
 
     bitune-serve --model BASE --adapter ADAPTER [--chat-template FILE] [--host 127.0.0.1] [--port 8000]
                  [--api-key KEY] [--allowed-origins ORIGIN ...] [--max-request-bytes N] [--docs]
+                 [--max-batch-size N] [--max-batch-tokens N]
 
 `transformers serve` cannot load a Bitune adapter (it loads models with `from_pretrained`), and vLLM, TGI and llama.cpp
 cannot prefill a prompt twice with two weight sets; see docs/serving.md.
@@ -21,7 +22,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..common import is_bitune_type, peft_type_name
-from .settings import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
+from .settings import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    BatchLimits,
+    ServerSettings,
+)
 
 DEFAULT_CACHE_MEMORY_MB = 1024
 API_KEY_VARIABLE = "BITUNE_SERVE_API_KEY"
@@ -52,6 +59,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--docs", action="store_true", help="Serve the interactive API docs at /docs.")
     parser.add_argument("--cache-memory-mb", type=float, default=DEFAULT_CACHE_MEMORY_MB,
                         help="Memory for kept conversation caches, least recently used dropped first; 0 keeps none.")
+    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
+                        help=f"The most requests answered together: requests that arrive while the model is busy are "
+                        f"answered in one batch next (default: {DEFAULT_MAX_BATCH_SIZE}; 1: one at a time).")
+    parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
+                        help="The most tokens a batch's padded cache may grow to: its rows times (its longest prompt "
+                        "plus the most tokens any of its answers may take); a larger request is answered alone "
+                        f"(default: {DEFAULT_MAX_BATCH_TOKENS}).")
     parser.add_argument("--device", default="cpu", help="torch device for the model, e.g. cpu, cuda, cuda:1.")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="Model dtype ('auto': as saved).")
@@ -63,6 +77,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--cache-memory-mb must be 0 or more, got {args.cache_memory_mb}.")
     if args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}.")
+    if args.max_batch_size < 1:
+        parser.error(f"--max-batch-size must be at least 1, got {args.max_batch_size}.")
+    if args.max_batch_tokens < 1:
+        parser.error(f"--max-batch-tokens must be at least 1, got {args.max_batch_tokens}.")
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         parser.error(f"--chat-template {args.chat_template!r} is not a file.")
     if args.api_key is None:
@@ -143,7 +161,8 @@ def load_engine(args: argparse.Namespace) -> Any:
     except Exception as error:  # safetensors, PEFT and our own checks: all a file the user must fix
         raise fail(f"cannot load the adapter weights of {args.adapter!r}: {type(error).__name__}: {error}. If the "
                    "file is truncated or corrupt, save (or download) the adapter again.") from None
-    return ChatEngine(model.eval(), tokenizer, chat_template, int(args.cache_memory_mb * 2**20))
+    limits = BatchLimits(args.max_batch_size, args.max_batch_tokens)
+    return ChatEngine(model.eval(), tokenizer, chat_template, int(args.cache_memory_mb * 2**20), limits)
 
 
 def check_chat_template(tokenizer: Any, chat_template: str | None, multi_turn: str, path: str | None) -> None:

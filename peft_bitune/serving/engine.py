@@ -1,5 +1,5 @@
-"""The chat engine behind `bitune-serve`: reads conversations as the adapter was trained to, reuses kept caches, runs
-one model worker.
+"""The chat engine behind `bitune-serve`: reads conversations as the adapter was trained to, reuses kept caches, and
+answers waiting requests in batches on one model worker.
 
 A request's conversation is laid out by `prompts.py` as training lays it out (turn by turn for `multi_turn=
 "alternating"`, one instruction for `"history"`). The engine reuses the part of a kept conversation whose keys and
@@ -7,29 +7,34 @@ values are exactly those of that layout (`conversations.py`), crops the rest awa
 segment (each instruction twice, mixed, over the cache so far; answers causally) and decodes. So an answer never
 depends on what the server happened to keep: a full prefill is the same computation with nothing reused.
 
-Every request runs on one worker thread (`worker.ModelWorker`), one after another: a request waits for the ones before
-it, and no two requests ever share a cache or a generation. The engine knows nothing about HTTP; `app.py` turns
-requests into `ChatRequest`s and results into OpenAI responses.
+All model work runs on one worker thread (`worker.ModelWorker`). Requests that arrive while it is busy are answered
+together in its next batch (`batching.py`): each prompt is read alone, exactly as unbatched, and only decoding is
+batched, over the caches left-padded together. Batches are static (they decode until their longest answer ends):
+continuous batching would need a decoding loop of our own instead of transformers' `generate`. The engine knows
+nothing about HTTP; `app.py` turns requests into `ChatRequest`s and results into OpenAI responses.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import StoppingCriteriaList
+from transformers import StoppingCriteriaList, StopStringCriteria
 
 from .. import compat
 from ..caches import BituneCache
 from ..common import max_positions
 from ..lookup import find_bitune_tuner
+from .batching import RowStops, row_cache, stack_left_padded
 from .conversations import ConversationStore, KeptConversation
 from .prompts import Prompt, PromptBuilder, PromptLayoutError
-from .streaming import Cancelled, cut_at_stop
+from .settings import BatchLimits
+from .streaming import RowStreams, cut_at_stop
 from .worker import ModelWorker
 
 
@@ -44,7 +49,8 @@ class ChatRequest:
         max_tokens (`int`, *optional*): the most tokens to generate; `None` for as many as the model's positions
             leave.
         stop (`list[str]`): strings that end the answer; the answer returned stops before the first one.
-        seed (`int`, *optional*): seeds torch right before this request's generation.
+        seed (`int`, *optional*): seeds torch right before this request's generation (a seeded request is answered
+            alone, so that the random stream is its own).
         partition (`Hashable`): whose kept conversations this request may reuse (see `conversations.py`).
     """
 
@@ -67,6 +73,25 @@ class ChatResult:
     cached_tokens: int
 
 
+@dataclass
+class _Row:
+    """A request waiting for the worker, with where its answer streams to and whether its client left."""
+
+    request: ChatRequest
+    streamer: Any
+    cancelled: threading.Event | None
+    sampling: dict  # the generation settings rows of one batch must share
+
+
+@dataclass
+class _Read:
+    """A row whose prompt has been read: its cache holds all of the prompt but the last token."""
+
+    row: _Row
+    cache: BituneCache | None
+    cached_tokens: int
+
+
 class ChatEngine:
     """
     A Bitune `PeftModel`, its tokenizer and chat template, the kept conversations, and the one worker thread.
@@ -80,9 +105,17 @@ class ChatEngine:
         chat_template (`str`, *optional*): a Jinja chat template overriding the tokenizer's own; one of the two is
             required.
         cache_budget_bytes (`int`): memory for kept conversation caches (0: none kept, every turn a full prefill).
+        limits (`BatchLimits`, *optional*): how many waiting requests are answered together (default: `BatchLimits()`).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, chat_template: str | None, cache_budget_bytes: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        chat_template: str | None,
+        cache_budget_bytes: int,
+        limits: BatchLimits | None = None,
+    ) -> None:
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "The tokenizer has no chat template, so conversations cannot be rendered: pass one with "
@@ -104,6 +137,10 @@ class ChatEngine:
             raise ValueError(f"The chat template cannot be used: {type(error).__name__}: {error}") from error
         self.store = ConversationStore(cache_budget_bytes)
         self.max_positions = max_positions(model)
+        self.limits = limits or BatchLimits()
+        # Sliding-window layers count their window in cache columns and keep only its last ones: such caches cannot
+        # be padded together, so those models answer one request at a time.
+        self.batchable = not any(BituneCache(config=model.config).is_sliding)
         self.worker = ModelWorker()
 
     def room_for(self, prompt_tokens: int, max_tokens: int | None) -> bool:
@@ -112,50 +149,155 @@ class ChatEngine:
             return True
         return prompt_tokens + (max_tokens or 1) <= self.max_positions
 
+    def submit(
+        self, request: ChatRequest, streamer: Any = None, cancelled: threading.Event | None = None
+    ) -> Future:
+        """
+        Queue a request on the worker; returns the future of its `ChatResult` (None if its client left first).
+
+        Requests queued while the worker is busy are answered together in its next batch, where they may share one
+        (`can_join`). `streamer` receives the answer's tokens as they come (`streaming.TextStream`). Once `cancelled`
+        is set (the client left), the request's row ends at the next token, is no longer streamed, and its
+        conversation is not kept; if it was set before the request started, no work is done for it at all.
+        """
+        return self.worker.submit_item(self, _Row(request, streamer, cancelled, _sampling_settings(request)))
+
     def run(
         self, request: ChatRequest, streamer: Any = None, cancelled: threading.Event | None = None
     ) -> ChatResult | None:
-        """
-        Answer one request; runs on the worker thread.
+        """Answer one request alone, on the calling thread (the unbatched reference: what `submit` answers too)."""
+        (result,) = self.run_batch([_Row(request, streamer, cancelled, _sampling_settings(request))])
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
-        `streamer` receives the answer's tokens as they come (`streaming.TextStream`). Once `cancelled` is set (the
-        client left), generation ends at the next token and the conversation is not kept; returns None if it was set
-        before the request started. A request that fails after it took a kept conversation drops that conversation
-        (its cache may be half extended); requests are checked before they are queued, so that only an internal error
-        can do this.
+    def can_join(self, batch: list[_Row], row: _Row) -> bool:
         """
-        if cancelled is not None and cancelled.is_set():
-            return None  # the client left while the request was queued: no work at all
-        prompt = request.prompt
-        generation_config = copy.copy(request.generation_config)
-        generation_config.max_new_tokens = request.max_tokens
-        if request.max_tokens is None:
-            generation_config.max_new_tokens = self.max_positions - len(prompt) if self.max_positions else 1024
+        Whether `row` may be answered in one batch with `batch`: within `limits`, the same sampling settings, no
+        `seed` (a seeded request is answered alone, so that its random stream is its own: the same answer whatever
+        else is waiting), a model without sliding-window layers (whose caches cannot be padded), and a padded batch
+        that fits in the model's positions.
+        """
+        rows = [*batch, row]
+        if not self.batchable or len(rows) > self.limits.max_batch_size:
+            return False
+        if any(r.request.seed is not None for r in rows) or row.sampling != batch[0].sampling:
+            return False
+        longest = max(len(r.request.prompt) for r in rows) + max(self.max_new_tokens(r.request) for r in rows)
+        if self.max_positions is not None and longest > self.max_positions:
+            return False
+        return len(rows) * longest <= self.limits.max_batch_tokens
+
+    def max_new_tokens(self, request: ChatRequest) -> int:
+        """The most tokens the request's answer may take: its `max_tokens`, or what the model's positions leave."""
+        if request.max_tokens is not None:
+            return request.max_tokens
+        return self.max_positions - len(request.prompt) if self.max_positions else 1024
+
+    def run_batch(
+        self, rows: list[_Row], deliver: Callable[[int, Any], None] | None = None
+    ) -> list[ChatResult | BaseException | None]:
+        """
+        Answer rows together; runs on the worker thread. Returns one result per row: a `ChatResult`, None for a row
+        whose client left, or the exception of a row that failed. With `deliver`, a row's result is also handed to
+        `deliver(index, result)` as soon as the row has ended, while the batch decodes on for the others.
+
+        Each row's prompt is read alone (`read`, from its kept conversation where there is one), then all are decoded
+        in one `generate`. A row that fails after it took a kept conversation drops that conversation (its cache may
+        be half extended); requests are checked before they are queued, so that only an internal error can do this.
+        """
+        results: list[ChatResult | BaseException | None] = [None] * len(rows)
+        ready: list[tuple[int, _Read]] = []
+        for index, row in enumerate(rows):
+            if row.cancelled is not None and row.cancelled.is_set():
+                continue  # the client left while the request was queued: no work at all
+            try:
+                kept, cached_tokens = self.store.take(row.request.partition, row.request.prompt)
+                cache = self.read(row.request.prompt, None if kept is None else kept.cache, cached_tokens)
+            except Exception as error:
+                results[index] = error
+            else:
+                ready.append((index, _Read(row, cache, cached_tokens)))
+        if ready:
+            early = None if deliver is None else (lambda number, result: deliver(ready[number][0], result))
+            for (index, _), result in zip(ready, self._decode([read for _, read in ready], early)):
+                results[index] = result
+        return results
+
+    def _decode(
+        self, reads: list[_Read], deliver: Callable[[int, Any], None] | None = None
+    ) -> list[ChatResult | BaseException | None]:
+        """Decode read prompts in one `generate`, left-padded; keep each finished conversation. In a batch of several,
+        each row's result is made (and handed to `deliver`) when the row ends, from its columns of the batch's cache
+        as they stand then."""
+        prompts = [read.row.request.prompt for read in reads]
+        width = max(len(prompt) for prompt in prompts)
+        generation_config = copy.copy(reads[0].row.request.generation_config)
+        max_new_tokens = [self.max_new_tokens(read.row.request) for read in reads]
+        generation_config.max_new_tokens = max(max_new_tokens)
+        generation_config.stop_strings = None  # per row, in `RowStops`
         generation_config.return_dict_in_generate = True
-        kept, cached_tokens = self.store.take(request.partition, prompt)
-        cache = self.read(prompt, None if kept is None else kept.cache, cached_tokens)
-        if request.seed is not None:
-            torch.manual_seed(request.seed)
-        ids = torch.tensor([prompt.token_ids], device=self.model.device)
+        pad = generation_config.pad_token_id or 0
+        ids = torch.tensor([[pad] * (width - len(p)) + p.token_ids for p in prompts], device=self.model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.model.device)
+        if len(reads) == 1:
+            cache = reads[0].cache  # nothing to pad: the cache as read (also for sliding-window layers)
+        else:
+            cache = stack_left_padded([read.cache for read in reads], self.tuner.model)
+            cache.record_conversation(ids[:, :-1], mask[:, :-1])
+        for read in reads:
+            read.cache = None  # the rows' own caches are in the batch now: free them
+        results: dict[int, ChatResult | BaseException | None] = {}
+
+        def row_ended(row: int, sequences: torch.Tensor) -> None:
+            try:
+                results[row] = self._result(reads[row], row, sequences, cache, stops, alone=False)
+            except Exception as error:  # this row's failure; the batch goes on
+                results[row] = error
+            if deliver is not None:
+                deliver(row, results[row])
+
+        stops = RowStops(width, max_new_tokens, _eos_ids(generation_config),
+                         [self._stop_criteria(read.row.request.stop) for read in reads],
+                         [read.row.cancelled for read in reads], row_ended if len(reads) > 1 else None)
+        streams = [read.row.streamer for read in reads]
+        seed = reads[0].row.request.seed
+        if seed is not None:  # only ever alone in its batch (`can_join`)
+            torch.manual_seed(seed)
         output = self.model.generate(
             input_ids=ids,
-            attention_mask=torch.ones_like(ids),  # one conversation: no padding anywhere
+            attention_mask=mask,
             cache=cache,
             generation_config=generation_config,
-            tokenizer=self.tokenizer,  # for stop strings
-            streamer=streamer,
-            stopping_criteria=StoppingCriteriaList([Cancelled(cancelled)] if cancelled is not None else []),
+            streamer=RowStreams(streams, lambda row: stops.lengths[row] is not None) if any(streams) else None,
+            stopping_criteria=StoppingCriteriaList([stops]),
         )
-        if cancelled is not None and cancelled.is_set():
+        output_cache = compat.output_cache(output)
+        return [results[row] if row in results else self._result(read, row, output.sequences, output_cache, stops,
+                                                                   len(reads) == 1)
+                for row, read in enumerate(reads)]
+
+    def _result(
+        self, read: _Read, row: int, sequences: torch.Tensor, cache: BituneCache, stops: RowStops, alone: bool
+    ) -> ChatResult | None:
+        """One row's answer, its conversation kept (its columns of the batch's cache)."""
+        request, width = read.row.request, stops.prompt_width
+        if read.row.cancelled is not None and read.row.cancelled.is_set():
             return None  # the client left: an answer cut short is neither returned nor kept
-        answer_ids = output.sequences[0, len(prompt) :].tolist()
-        self.store.keep(
-            KeptConversation(prompt.followed_by_answer(answer_ids), compat.output_cache(output), request.partition)
-        )
+        generated = stops.lengths[row] if stops.lengths[row] is not None else sequences.shape[1] - width
+        answer_ids = sequences[row, width : width + generated].tolist()
+        prompt = request.prompt
+        if not alone:
+            conversation = prompt.token_ids + answer_ids
+            cache = row_cache(cache, row, width - len(prompt), width - 1 + generated, conversation, self.tuner.model)
+        self.store.keep(KeptConversation(prompt.followed_by_answer(answer_ids), cache, request.partition))
         content, hit_stop = cut_at_stop(self.tokenizer.decode(answer_ids, skip_special_tokens=True), request.stop)
-        ended_by_eos = bool(answer_ids) and answer_ids[-1] in _eos_ids(generation_config)
-        finished = hit_stop or ended_by_eos or len(answer_ids) < generation_config.max_new_tokens
-        return ChatResult(content, answer_ids, "stop" if finished else "length", len(prompt), cached_tokens)
+        ended_by_eos = bool(answer_ids) and answer_ids[-1] in stops.eos_ids
+        finished = hit_stop or ended_by_eos or generated < stops.max_new_tokens[row]
+        return ChatResult(content, answer_ids, "stop" if finished else "length", len(prompt), read.cached_tokens)
+
+    def _stop_criteria(self, stop: list[str]) -> StopStringCriteria | None:
+        return StopStringCriteria(self.tokenizer, stop) if stop else None
 
     def read(self, prompt: Prompt, cache: BituneCache | None = None, cached: int = 0) -> BituneCache:
         """
@@ -191,6 +333,15 @@ class ChatEngine:
     def close(self) -> None:
         """Stop the worker once the queued requests have run."""
         self.worker.close()
+
+
+def _sampling_settings(request: ChatRequest) -> dict:
+    """The request's generation settings but its answer length and stop strings, which each row of a batch has of its
+    own: rows of one batch share the rest (one `generate`)."""
+    settings = request.generation_config.to_dict()
+    for own in ("max_new_tokens", "stop_strings"):
+        settings.pop(own, None)
+    return settings
 
 
 def _eos_texts(model: Any, tokenizer: Any) -> list[str]:

@@ -1,5 +1,6 @@
-"""How `bitune-serve` guards itself (`ServerSettings`): API keys, allowed origins, the API docs page, the largest
-request body. Plain data, so that the command can build it without the `serve` extra."""
+"""How `bitune-serve` guards itself (`ServerSettings`: API keys, allowed origins, the API docs page, the largest
+request body) and how it batches (`BatchLimits`). Plain data, so that the command can check and build them without the
+`serve` extra."""
 
 from __future__ import annotations
 
@@ -32,3 +33,29 @@ class ServerSettings:
             raise ValueError("An API key cannot be empty.")
         if self.max_request_bytes < 1:
             raise ValueError(f"`max_request_bytes` must be at least 1, got {self.max_request_bytes}.")
+
+
+DEFAULT_MAX_BATCH_SIZE = 8
+DEFAULT_MAX_BATCH_TOKENS = 65536
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """
+    How many waiting requests the model worker answers together.
+
+    Args:
+        max_batch_size (`int`): the most requests in one batch; 1 answers them one at a time.
+        max_batch_tokens (`int`): the most tokens a batch's padded cache may grow to: its rows times (its longest
+            prompt plus the most tokens any of its answers may take). It bounds the memory of a batch. A request larger
+            than this on its own is answered alone, never refused for its size.
+    """
+
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_batch_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be an integer of at least 1, got {value!r}.")

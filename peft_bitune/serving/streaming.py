@@ -1,20 +1,19 @@
-"""Streaming an answer while `generate` runs: its text piece by piece, stop strings, and stopping when the client
-leaves.
+"""Streaming an answer while `generate` runs: its text piece by piece, each row of a batch to its own client, and
+stop strings.
 
 `TextStream` is a transformers streamer (the public `put`/`end` protocol of `generate(streamer=...)`): it decodes the
-new tokens incrementally and hands each new piece of text to a callback. `Cancelled` is a stopping criterion that ends
-`generate` at the next token once the client has gone. `StopTextFilter` holds back text that may be the start of a
-stop string, so that a stream ends exactly where the whole answer is cut (`cut_at_stop`).
+new tokens incrementally and hands each new piece of text to a callback. `RowStreams` is the streamer of a batch: it
+hands each row's tokens to that row's `TextStream` until the row has ended (`batching.RowStops`). `StopTextFilter`
+holds back text that may be the start of a stop string, so that a stream ends exactly where the whole answer is cut
+(`cut_at_stop`).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 REPLACEMENT_CHARACTER = "\ufffd"
@@ -61,14 +60,29 @@ class TextStream(BaseStreamer):
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""
 
 
-class Cancelled(StoppingCriteria):
-    """Ends `generate` at the next token once `event` is set (the client left)."""
+class RowStreams(BaseStreamer):
+    """
+    The streamer of a batch: row i's prompt and then its tokens go to `streams[i]` (None: a row nobody streams), up to
+    and including the token that ended the row; the padding `generate` feeds a row after it ended is not streamed.
 
-    def __init__(self, event: threading.Event) -> None:
-        self.event = event
+    Args:
+        streams (`list`): per row, a streamer (e.g. a `TextStream`) or None.
+        ended (`Callable[[int], bool]`): whether row i has ended (`RowStops`, which runs after each token is streamed).
+    """
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+    def __init__(self, streams: list[BaseStreamer | None], ended: Callable[[int], bool]) -> None:
+        self.streams = streams
+        self.ended = ended
+
+    def put(self, value: torch.Tensor) -> None:
+        for row, stream in enumerate(self.streams):
+            if stream is not None and not self.ended(row):
+                stream.put(value[row : row + 1])
+
+    def end(self) -> None:
+        for stream in self.streams:
+            if stream is not None:
+                stream.end()
 
 
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
