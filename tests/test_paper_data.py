@@ -347,3 +347,15 @@ def test_real_wheels(saved_models, tmp_path):
     for sample in samples:
         assert sample["arguments"]["gen_args_0"]["arg_0"] == PAPER_TASKS["piqa"].instruction(
             validation[sample["doc_id"]])
+
+
+def test_the_docs_tables_are_the_committed_reports():
+    """docs/paper_tasks.md shows what report.py prints for docs/results/paper_tasks.json, not numbers typed by hand."""
+    report = load_example("report")
+    committed = json.loads((REPOSITORY / "docs" / "results" / "paper_tasks.json").read_text())
+    page = (REPOSITORY / "docs" / "paper_tasks.md").read_text(encoding="utf-8")
+    assert report.markdown(committed) in page
+    assert report.search_table(committed) in page
+    for name in ("accuracy", "difference", "loss", "alphas"):
+        assert f"(images/paper_tasks_{name}.png)" in page
+        assert (REPOSITORY / "docs" / "images" / f"paper_tasks_{name}.png").is_file()

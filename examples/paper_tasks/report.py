@@ -133,7 +133,7 @@ def markdown(report: dict) -> str:
 
 
 def search_table(report: dict) -> str:
-    lines = ["| Model | Method | learning rate | validation accuracy | final training loss |",
+    lines = ["| Model | Method | learning rate | validation accuracy | training loss (mean over the run) |",
              "| --- | --- | ---: | ---: | ---: |"]
     for name, model in report["models"].items():
         for method, runs in model["search"].items():
