@@ -129,9 +129,9 @@ def measure(model, tokenizer, template, clients: list[int], requests: int, max_t
             identical &= answers["batched"] == answers["unbatched"]
             cell = {arm: summary(runs[arm]) for arm in ARMS}
             cell["throughput_ratio"] = cell["batched"]["tokens_per_s"] / cell["unbatched"]["tokens_per_s"]
-            batch_sizes = servers["batched"][0].worker.batch_sizes
-            cell["batch_sizes"] = {str(size): n for size, n in sorted(batch_sizes.items())}
-            batch_sizes.clear()
+            worker = servers["batched"][0].worker
+            cell["batch_sizes"] = worker.batch_size_counts()
+            worker.batch_sizes.clear()
             result["by_clients"][str(count)] = cell
             print(f"{count} clients: {cell['throughput_ratio']:.2f}x", flush=True)
     result["throughput_ratio"] = {n: cell["throughput_ratio"] for n, cell in result["by_clients"].items()}

@@ -217,5 +217,6 @@ def test_the_worker_batches_what_waits_behind_the_head_and_keeps_the_order_of_th
     # The head always starts the next batch, with what may join it; 5 was cancelled, so it never ran.
     assert batcher.batches == [[1, 3], [2, -2], [4]]
     assert sorted(worker.batch_sizes.elements()) == [1, 2, 2]
+    assert worker.batch_size_counts() == {"1": 1, "2": 2}  # as /health reports it
     with pytest.raises(RuntimeError, match="stopped"):
         worker.submit_item(batcher, 1)

@@ -265,7 +265,7 @@ def build_app(engine: ChatEngine, model_name: str, settings: ServerSettings | No
         store = engine.store
         return {"status": "ok", "kept_conversations": len(store), "kept_cache_bytes": store.nbytes,
                 "cache_budget_bytes": store.max_bytes, "cancelled_streams": handler.cancelled_streams,
-                "batch_sizes": {str(size): count for size, count in sorted(engine.worker.batch_sizes.items())}}
+                "batch_sizes": engine.worker.batch_size_counts()}
 
     return app
 

@@ -69,6 +69,10 @@ class ModelWorker:
         """`submit`, awaitable from the running event loop."""
         return asyncio.wrap_future(self.submit(function, *args, **kwargs))
 
+    def batch_size_counts(self) -> dict[str, int]:
+        """`batch_sizes` as JSON writes it (`/health`, the throughput benchmark): sizes as strings, smallest first."""
+        return {str(size): count for size, count in sorted(self.batch_sizes.items())}
+
     def pending(self) -> int:
         """How many jobs wait in the queue (not counting those running)."""
         with self._ready:
