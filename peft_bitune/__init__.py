@@ -6,12 +6,13 @@ Bitune adapters are safetensors only (see `safetensors_only.py`).
 """
 
 from .caches import BituneCache
-from .callbacks import BituneMixingCallback
+from .callbacks import BituneMixingCallback, BituneMixingWarmupCallback
 from .common import BIDIRECTIONAL, CAUSAL, inner_adapter_name
 from .config import BituneConfig
 from .hub import push_to_hub
 from .mixing import BituneKVMixer, mix_key_values
 from .model import BituneModel
+from .optimizers import bitune_parameter_groups, create_bitune_optimizer
 from .registration import register_bitune
 
 __all__ = [
@@ -21,7 +22,10 @@ __all__ = [
     "BituneConfig",
     "BituneKVMixer",
     "BituneMixingCallback",
+    "BituneMixingWarmupCallback",
     "BituneModel",
+    "bitune_parameter_groups",
+    "create_bitune_optimizer",
     "inner_adapter_name",
     "mix_key_values",
     "push_to_hub",

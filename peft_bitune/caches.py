@@ -235,13 +235,17 @@ def recorded_key_values(cache: Cache) -> tuple[list[torch.Tensor], list[torch.Te
 def mix_recorded(
     causal: Cache, bidirectional: Cache, mixer: BituneKVMixer
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Mix two recorded prompt passes layer by layer; returns the mixed keys and values."""
+    """Mix two recorded prompt passes layer by layer; returns the mixed keys and values. A layer the mixer leaves
+    out (`BituneConfig.mixed_layers`) keeps the causal pass's keys and values as they are."""
     key_alpha, value_alpha = mixer.coefficients()
     causal_keys, causal_values = recorded_key_values(causal)
     bidirectional_keys, bidirectional_values = recorded_key_values(bidirectional)
-    keys = [mix_key_values(c, b, alpha) for c, b, alpha in zip(causal_keys, bidirectional_keys, key_alpha)]
-    values = [mix_key_values(c, b, alpha) for c, b, alpha in zip(causal_values, bidirectional_values, value_alpha)]
-    return keys, values
+
+    def mix(causal_tensors: list[torch.Tensor], bidirectional_tensors: list[torch.Tensor], alphas: torch.Tensor):
+        return [mix_key_values(c, b, alpha) if mixed else c
+                for c, b, alpha, mixed in zip(causal_tensors, bidirectional_tensors, alphas, mixer.mixed)]
+
+    return mix(causal_keys, bidirectional_keys, key_alpha), mix(causal_values, bidirectional_values, value_alpha)
 
 
 def append_key_values(cache: DynamicCache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:

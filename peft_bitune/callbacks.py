@@ -118,6 +118,50 @@ class BituneMixingCallback(TrainerCallback):
         return logs
 
 
+class BituneMixingWarmupCallback(TrainerCallback):
+    """
+    A mixing warm-up (`BituneSFTConfig.mixing_warmup_steps`): at the start of optimizer step `t` the learned alphas
+    are scaled by `min(1, t / warmup_steps)`, so training starts from the causal cache (as plain LoRA reads the
+    prompt) and the bidirectional read comes in linearly. Both weight sets and the mixing scalars train throughout
+    (under Adam a scaled gradient gives the same step size). At the end of training the full mix is restored; an
+    adapter saved before the warm-up ends is loaded with its full mix.
+
+    Args:
+        warmup_steps (`int`): the length of the warm-up in optimizer steps; at most the number of training steps.
+    """
+
+    def __init__(self, warmup_steps: int) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"`warmup_steps` must be a positive integer, got {warmup_steps!r}.")
+        self.warmup_steps = warmup_steps
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if state.max_steps > 0 and self.warmup_steps > state.max_steps:
+            raise ValueError(
+                f"The mixing warm-up ({self.warmup_steps} steps) is longer than training ({state.max_steps} steps): "
+                "the mixing would never be fully released. Choose at most the number of training steps."
+            )
+        self._release(model, state.global_step)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self._release(model, state.global_step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self._mixer(model).set_release(1.0)
+
+    def _release(self, model: nn.Module, step: int) -> None:
+        self._mixer(model).set_release(min(1.0, step / self.warmup_steps))
+
+    @staticmethod
+    def _mixer(model: nn.Module) -> nn.Module:
+        bitune = require_bitune_tuner(
+            model,
+            "for `BituneMixingWarmupCallback`, which releases the mixing of a Bitune adapter",
+            "Train a model made with `get_peft_model(model, BituneConfig())`, or remove the callback.",
+        )
+        return bitune.mixer
+
+
 def gathered_mixing_scalars(bitune: BituneModel) -> contextlib.AbstractContextManager:
     """
     Outside the forward, sharded training keeps only a shard of each parameter on a process. FSDP2 exposes the scalars

@@ -29,6 +29,22 @@ _REFUSED_METHODS = {
 }
 
 
+def check_mixed_layers(layers: list[int]) -> list[int]:
+    """`mixed_layers` as a sorted list, refused if empty, negative or repeated (the type is checked already)."""
+    if len(layers) == 0:
+        raise ValueError(
+            "`mixed_layers` is empty, so nothing would be mixed and the adapter would be plain LoRA with an unused "
+            "second weight set. Name at least one layer, or leave it unset (None) to mix every layer."
+        )
+    if any(isinstance(layer, bool) or not isinstance(layer, int) for layer in layers):
+        raise ValueError(f"`mixed_layers` must hold whole layer indices, got {layers}.")
+    if min(layers) < 0:
+        raise ValueError(f"`mixed_layers` must hold layer indices from 0 up, got {layers}.")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"`mixed_layers` names a layer more than once: {layers}. Name each layer once.")
+    return sorted(layers)
+
+
 def default_adapter_config() -> LoraConfig:
     """The paper's default weight sets: LoRA r=8, alpha=16 on every linear layer."""
     return LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type=TaskType.CAUSAL_LM)
@@ -55,6 +71,11 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
             Ablation: `"causal"` reads the prompt a second time with the causal mask instead of the bidirectional one.
         train_mixing (`bool`, defaults to `True`):
             Ablation: `False` freezes the mixing scalars at `mix_init` (a fixed mixing ratio).
+        mixed_layers (`list[int]`, *optional*):
+            The decoder layers (0-based) whose caches are mixed; every other layer keeps the causal pass's keys and
+            values exactly, as plain LoRA would. Defaults to every layer (the paper). For example
+            `list(range(num_layers // 2))` mixes the lower half only, where the alphas learned on the paper's tasks are
+            highest (docs/paper_tasks.md). Checked against the model's depth when the adapter is created.
         multi_turn (`str`, defaults to `"alternating"`):
             How rows with several instruction/answer segments are trained (paper A.8). `"alternating"`: each
             instruction segment is read twice over the cache so far and mixed, each answer runs causally, in order,
@@ -95,6 +116,10 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
     train_mixing: bool = field(
         default=True, metadata={"help": "Ablation: False freezes the mixing scalars at `mix_init`."}
     )
+    mixed_layers: list[int] | None = field(
+        default=None,
+        metadata={"help": "Decoder layers (0-based) whose caches are mixed; the others stay causal. Default: all."},
+    )
     multi_turn: MultiTurnMode = field(
         default="alternating",
         metadata={
@@ -128,6 +153,8 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
             raise ValueError(f"`mix_scale` must be positive, got {self.mix_scale}.")
         if self.mix_init < 0:
             raise ValueError(f"`mix_init` must be non-negative (alpha uses |w|), got {self.mix_init}.")
+        if self.mixed_layers is not None:
+            self.mixed_layers = check_mixed_layers(self.mixed_layers)
 
     @staticmethod
     def _build_adapter_config(adapter_config: PeftConfig | dict | None) -> PeftConfig:
@@ -169,6 +196,16 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
             raise ValueError(f"`adapter_config` of type {peft_type} has no tuner registered in PEFT.")
         return adapter_config
 
+    def check_depth(self, num_layers: int) -> None:
+        """Refuse `mixed_layers` that name a layer the model does not have (before any adapter layer is made)."""
+        if self.mixed_layers is not None and max(self.mixed_layers) >= num_layers:
+            outside = [layer for layer in self.mixed_layers if layer >= num_layers]
+            raise ValueError(
+                f"`mixed_layers` names layers {outside}, but the model has {num_layers} decoder layers (0 to "
+                f"{num_layers - 1}). Choose layers in that range, e.g. `list(range({num_layers // 2}))` for the lower "
+                "half."
+            )
+
     @property
     def weight_sets(self) -> tuple[WeightSet, ...]:
         """The weight sets this adapter creates: both, or only the causal one with `shared_weights`."""
@@ -177,6 +214,8 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
     def to_dict(self) -> dict[str, Any]:
         """The config as JSON-ready data, with the inner method's config nested as its own dict."""
         data = super().to_dict()
+        if data.get("mixed_layers") is None:  # left out at its default, so that earlier versions load the adapter
+            data.pop("mixed_layers", None)
         data["adapter_config"] = self.adapter_config.to_dict()
         for key, value in data["adapter_config"].items():
             if isinstance(value, set):

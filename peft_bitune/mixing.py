@@ -16,17 +16,29 @@ class BituneKVMixer(nn.Module):
     `1 - alpha` the causal one. The scalars are kept in float32 whatever the model's dtype, also through
     `model.to(torch.bfloat16)`, since bf16 cannot represent the small steps they take (an update of 1e-5 to 0.01).
 
+    Two settings narrow the mix without new parameters: `mixed_layers` (a config field) mixes only those layers, the
+    others keep the causal cache exactly (their alpha is 0); and the `release` (set by a mixing warm-up during
+    training, 1 otherwise) scales every alpha, so that a warm-up can start from the causal cache and let the learned
+    mix in gradually. Neither is saved as a weight: `mixed_layers` is in the config, the release is a training state.
+
     Args:
         num_layers (`int`): Number of decoder layers of the model.
         init (`float`): Initial value of every `w`.
         scale (`float`): The constant `s`.
+        mixed_layers (`list[int]`, *optional*): The layers that are mixed; all by default.
     """
 
-    def __init__(self, num_layers: int, init: float, scale: float) -> None:
+    def __init__(self, num_layers: int, init: float, scale: float, mixed_layers: list[int] | None = None) -> None:
         super().__init__()
         self.scale = scale
         self.key_weights = nn.Parameter(torch.full((num_layers,), float(init), dtype=torch.float32))
         self.value_weights = nn.Parameter(torch.full((num_layers,), float(init), dtype=torch.float32))
+        self.mixed = [True] * num_layers
+        if mixed_layers is not None:
+            self.mixed = [layer in set(mixed_layers) for layer in range(num_layers)]
+        # Non-persistent: rebuilt from the config when the adapter is loaded, never in the checkpoint.
+        self.register_buffer("layer_mask", torch.tensor(self.mixed, dtype=torch.float32), persistent=False)
+        self.release = 1.0  # a Python number: reading it costs no device synchronisation
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> BituneKVMixer:
         """
@@ -43,15 +55,30 @@ class BituneKVMixer(nn.Module):
         return super()._apply(keep_float32, recurse)
 
     def coefficients(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The alphas for keys and values, each of shape (num_layers,), in float32."""
+        """The alphas in use for keys and values, each of shape (num_layers,), in float32: 0 for a layer that is not
+        mixed, and scaled by the release during a mixing warm-up."""
         return self._alpha(self.key_weights), self._alpha(self.value_weights)
+
+    def set_release(self, release: float) -> None:
+        """How much of the learned mix is applied, from 0 (the causal cache) to 1 (all of it, the default)."""
+        if not 0.0 <= release <= 1.0:
+            raise ValueError(f"The mixing release must be between 0 and 1, got {release}.")
+        self.release = float(release)
 
     def _alpha(self, weights: torch.Tensor) -> torch.Tensor:
         magnitude = weights.float().abs()
-        return magnitude / (magnitude + self.scale)
+        alpha = magnitude / (magnitude + self.scale)
+        if not all(self.mixed):
+            if hasattr(alpha, "full_tensor"):  # read outside the forward under FSDP2: a sharded DTensor
+                alpha = alpha.full_tensor()
+            alpha = alpha * self.layer_mask.to(alpha.device)
+        if self.release != 1.0:
+            alpha = alpha * self.release
+        return alpha
 
     def extra_repr(self) -> str:
-        return f"num_layers={self.key_weights.numel()}, scale={self.scale}"
+        mixed = "" if all(self.mixed) else f", mixed_layers={[i for i, m in enumerate(self.mixed) if m]}"
+        return f"num_layers={self.key_weights.numel()}, scale={self.scale}{mixed}"
 
 
 def mix_key_values(

@@ -62,7 +62,7 @@ def _saved_mixing_coefficients(directory: str | os.PathLike, adapter_name: str |
         raise ValueError(f"{config_path} describes a {config_data.get('peft_type')!r} adapter, not a Bitune one.")
     config = BituneConfig.from_pretrained(path)
     weights = saved_mixing_scalars(weights_path)
-    mixer = BituneKVMixer(weights["keys"].numel(), config.mix_init, config.mix_scale)
+    mixer = BituneKVMixer(weights["keys"].numel(), config.mix_init, config.mix_scale, config.mixed_layers)
     mixer.load_state_dict({"key_weights": weights["keys"], "value_weights": weights["values"]})
     key_alpha, value_alpha = mixer.coefficients()
     return {"keys": key_alpha.detach(), "values": value_alpha.detach()}

@@ -89,6 +89,7 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
                 f"All Bitune adapters of one model must use the same PEFT method; this model uses "
                 f"{type(inner).__name__}, and `{adapter_name}` asks for {config.adapter_config.peft_type}."
             )
+        config.check_depth(num_layers(model))
         prepare_quantized_layers(model)
         for weight_set in config.weight_sets:
             name = inner_adapter_name(adapter_name, weight_set)
@@ -108,9 +109,9 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
         if MIXERS_ATTRIBUTE not in dict(self.named_children()):
             self.add_module(MIXERS_ATTRIBUTE, nn.ModuleDict())
         device = next(p.device for p in model.parameters())
-        self.bitune_mixers[adapter_name] = BituneKVMixer(num_layers(model), config.mix_init, config.mix_scale).to(
-            device
-        )
+        self.bitune_mixers[adapter_name] = BituneKVMixer(
+            num_layers(model), config.mix_init, config.mix_scale, mixed_layers=config.mixed_layers
+        ).to(device)
         self._router.route_to(self._inner_names(self.active_adapter)[CAUSAL])
         self._apply_trainable_state()
 

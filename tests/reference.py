@@ -37,11 +37,18 @@ def left_padded(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def alphas(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """alpha = |w| / (|w| + s) per layer; 0 for the layers `mixed_layers` leaves out; times the mixing warm-up's
+    release (1 outside a warm-up)."""
     bitune = model.base_model
     mixer = bitune.bitune_mixers[bitune.active_adapter]
-    scale = bitune.peft_config[bitune.active_adapter].mix_scale
+    config = bitune.peft_config[bitune.active_adapter]
     k, v = mixer.key_weights.abs(), mixer.value_weights.abs()
-    return k / (k + scale), v / (v + scale)
+    key_alpha, value_alpha = k / (k + config.mix_scale), v / (v + config.mix_scale)
+    if config.mixed_layers is not None:
+        kept = torch.zeros_like(key_alpha)
+        kept[config.mixed_layers] = 1.0
+        key_alpha, value_alpha = key_alpha * kept, value_alpha * kept
+    return key_alpha * mixer.release, value_alpha * mixer.release
 
 
 def reference_prefill(model, prompt: torch.Tensor, second_pass_causal: bool = False) -> DynamicCache:

@@ -359,3 +359,34 @@ def test_the_docs_tables_are_the_committed_reports():
     for name in ("accuracy", "difference", "loss", "alphas"):
         assert f"(images/paper_tasks_{name}.png)" in page
         assert (REPOSITORY / "docs" / "images" / f"paper_tasks_{name}.png").is_file()
+
+
+def test_runner_trains_the_recipe_variants_and_the_parameter_matched_lora(installed_fake_wheels, tmp_path):
+    """The variants beyond the paper and LoRA r=16 train through the runner from their flags, at LoRA's rate."""
+    runner = load_example("run")
+    output, work_dir = tmp_path / "variants.json", tmp_path / "runs"
+    variants = ["bitune_lr_ratios", "bitune_lower_half", "bitune_upper_half", "bitune_mixing_warmup"]
+    runner.main([*RUNNER_ARGUMENTS, "--work_dir", str(work_dir), "--json", str(output), "--search_only",
+                 "--steps", "5", "--seeds", "0", "--bitune_lr_from_lora", "--methods", "lora", "lora_r16", *variants])
+    results = json.loads(output.read_text())
+    assert set(results["search"]) == {"lora", "lora_r16", *variants}
+    lora_rate = max(results["search"]["lora"], key=lambda lr: results["search"]["lora"][lr]["validation"]["average"])
+    assert all(list(results["search"][method]) == [lora_rate] for method in ["lora_r16", *variants])
+    saved = (work_dir / "adapters").glob("*-lora_r16-*/adapter_config.json")
+    ranks = {json.loads(path.read_text())["r"] for path in saved}
+    assert ranks == {16}
+    lower = results["search"]["bitune_lower_half"][lora_rate]["alphas"]["keys"]
+    upper = results["search"]["bitune_upper_half"][lora_rate]["alphas"]["keys"]
+    half = len(lower) // 2
+    assert all(a > 0 for a in lower[:half]) and all(a == 0 for a in lower[half:])
+    assert all(a == 0 for a in upper[:half]) and all(a > 0 for a in upper[half:])
+    assert "runs" not in results  # --search_only: nothing scored on test
+
+
+def test_training_rows_as_a_total_give_a_short_split_all_it_has():
+    runner = load_example("run")
+    available = {"arc_challenge": 1019, "csqa": 9641, "piqa": 16013, "siqa": 33310}
+    assert runner.rows_per_task(4800, available) == {"arc_challenge": 1019, "csqa": 1261, "piqa": 1260, "siqa": 1260}
+    assert runner.rows_per_task(400, available) == dict.fromkeys(available, 100)
+    with pytest.raises(SystemExit, match="--train_rows 60000 is more than"):
+        runner.rows_per_task(60000, available)

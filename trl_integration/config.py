@@ -9,6 +9,7 @@ from transformers import TrainingArguments
 from trl import SFTConfig
 
 from peft_bitune import compat
+from peft_bitune.optimizers import check_lr_ratio
 
 
 @dataclass
@@ -33,6 +34,18 @@ class BituneSFTConfig(SFTConfig):
     > - `activation_checkpointing` defaults to `True` (TRL's default) under that name, where transformers has it, so
     >   that the default does not go through the deprecated `gradient_checkpointing` (which still works).
 
+        bidirectional_lr_ratio (`float`, *optional*, defaults to `1.0`):
+            The bidirectional weight set trains at `learning_rate` times this (the causal set at `learning_rate`), in
+            the spirit of LoRA+; see `peft_bitune.optimizers`. Must be finite and positive.
+        mixing_lr_ratio (`float`, *optional*, defaults to `1.0`):
+            The mixing scalars train at `learning_rate` times this. Under Adam a step of the base rate can move an
+            alpha by up to `learning_rate / mix_scale`; a ratio below 1 slows them. Must be finite and positive.
+        mixing_warmup_steps (`int`, *optional*, defaults to `0`):
+            A mixing warm-up: for this many optimizer steps the learned alphas are scaled by a factor that grows
+            linearly from 0 (the causal cache, as plain LoRA reads the prompt) to 1, so that the answer pass first
+            learns over a cache it knows and the bidirectional read comes in gradually. Both weight sets and the
+            scalars train throughout. At most `max_steps`; 0 turns it off.
+
     Refused settings (each with the reason in the error): `packing`, `padding_free` and `eval_packing` (a packed row
     holds several instruction/answer pairs whose boundaries the Bitune forward cannot see).
     """
@@ -43,6 +56,21 @@ class BituneSFTConfig(SFTConfig):
             "help": "Log every layer's mixing coefficient with the first training log after at least this many "
             "optimizer steps since the last per-layer log (and with the first log). The means are logged at every "
             "log. None or 0 turns the per-layer values off."
+        },
+    )
+
+    bidirectional_lr_ratio: float = field(
+        default=1.0,
+        metadata={"help": "The bidirectional weight set trains at learning_rate times this (LoRA+-style)."},
+    )
+    mixing_lr_ratio: float = field(
+        default=1.0, metadata={"help": "The mixing scalars train at learning_rate times this."}
+    )
+    mixing_warmup_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Optimizer steps over which the mixing is released linearly from the causal cache (0) to the "
+            "learned mix (1). 0: no warm-up."
         },
     )
 
@@ -71,6 +99,7 @@ class BituneSFTConfig(SFTConfig):
                 f"`mixing_logging_steps` must be a positive integer or None, got {self.mixing_logging_steps}."
             )
         refuse_packing(self)
+        check_recipe_options(self)
         self._default_to_non_reentrant_checkpointing()
 
     def _default_to_non_reentrant_checkpointing(self) -> None:
@@ -87,6 +116,26 @@ class BituneSFTConfig(SFTConfig):
         kwargs["use_reentrant"] = False
         for name in compat.CHECKPOINTING_KWARGS_ARGUMENTS:  # an alias mirrors the new name, as in transformers
             setattr(self, name, kwargs)
+
+
+def check_recipe_options(args: Any) -> None:
+    """Refuse learning-rate multiples and a mixing warm-up that make no sense, before any work (the trainer checks the
+    warm-up against the number of steps again when training starts, for runs given in epochs)."""
+    for name in ("bidirectional_lr_ratio", "mixing_lr_ratio"):
+        check_lr_ratio(name, getattr(args, name))
+    warmup = args.mixing_warmup_steps
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"`mixing_warmup_steps` must be a non-negative integer (0: no warm-up), got {warmup!r}.")
+    check_warmup_fits(warmup, args.max_steps)
+
+
+def check_warmup_fits(warmup_steps: int, total_steps: int) -> None:
+    """A mixing warm-up must end within training, else the adapter is saved with its mix still held back."""
+    if total_steps > 0 and warmup_steps > total_steps:
+        raise ValueError(
+            f"`mixing_warmup_steps` ({warmup_steps}) is longer than training ({total_steps} steps): the mixing would "
+            "never be fully released. Choose at most the number of training steps, e.g. a tenth to a fifth of it."
+        )
 
 
 def refuse_packing(args: Any) -> None:

@@ -33,9 +33,10 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.utils import entropy_from_logits
 
 from peft_bitune import BituneMixingCallback, BituneModel
-from peft_bitune.callbacks import gathered_mixing_scalars
+from peft_bitune.callbacks import BituneMixingWarmupCallback, gathered_mixing_scalars
 from peft_bitune.common import IGNORE_INDEX
 from peft_bitune.lookup import find_bitune_tuner
+from peft_bitune.optimizers import bitune_parameter_groups
 
 from .checks import (
     FORMATS_THAT_WORK,
@@ -119,6 +120,13 @@ class BituneSFTTrainer(SFTTrainer):
         formatting_func: Callable[[dict], str] | None = None,
     ) -> None:
         args = as_bitune_config(args, model)
+        if optimizers[0] is not None and (args.bidirectional_lr_ratio != 1.0 or args.mixing_lr_ratio != 1.0):
+            raise ValueError(
+                "`bidirectional_lr_ratio` and `mixing_lr_ratio` set the learning rates of the optimizer the trainer "
+                "creates, but `optimizers` gives one of your own. Build it with "
+                "`peft_bitune.optimizers.create_bitune_optimizer(model, ..., bidirectional_lr_ratio=..., "
+                "mixing_lr_ratio=...)` and leave both ratios at 1 in the config."
+            )
         peft_config = bitune_peft_config(model, peft_config)
         check_training_setup(args, peft_config or model.peft_config[model.active_adapter])
         if formatting_func is not None:
@@ -154,6 +162,8 @@ class BituneSFTTrainer(SFTTrainer):
         prepared = {"train_dataset": self.train_dataset, **named_eval_datasets(self.eval_dataset)}
         check_rows_kept(rows_given, prepared, self.args)
         keep_mixing_scalars_in_float32(self.model)
+        if self.args.mixing_warmup_steps > 0:
+            self.add_callback(BituneMixingWarmupCallback(self.args.mixing_warmup_steps))
         if not any(isinstance(callback, BituneMixingCallback) for callback in self.callback_handler.callbacks):
             # First, so that the reporting integrations (`report_to`) see the values it adds to the logs.
             mixing = BituneMixingCallback(self.args.mixing_logging_steps, gather=self._whole_mixing_scalars)
@@ -176,6 +186,33 @@ class BituneSFTTrainer(SFTTrainer):
             datasets = {"train_dataset": self.train_dataset, **named_eval_datasets(self.eval_dataset)}
             for name, dataset in datasets.items():
                 check_prepared_labels(dataset, name)
+
+    # ------------------------------------------------------------------ optimizer
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer, with the learning rate of each part of the adapter when
+        `args.bidirectional_lr_ratio` or `args.mixing_lr_ratio` differ from 1 (`peft_bitune.optimizers`)."""
+        default_rates = self.args.bidirectional_lr_ratio == 1.0 and self.args.mixing_lr_ratio == 1.0
+        if self.optimizer is not None or default_rates:
+            return super().create_optimizer(model) if model is not None else super().create_optimizer()
+        opt_model = self.model if model is None else model
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        optimizer_kwargs = dict(optimizer_kwargs)
+        own_groups = {"params", "model", "optimizer_dict"} & set(optimizer_kwargs)
+        if own_groups or not isinstance(optimizer_cls, type) or not issubclass(optimizer_cls, torch.optim.Optimizer):
+            raise ValueError(
+                f"`optim={self.args.optim}` builds its own parameter groups, so the learning-rate multiples "
+                "`bidirectional_lr_ratio` and `mixing_lr_ratio` cannot be applied to it. Use an optimizer such as "
+                "`adamw_torch`, or leave both ratios at 1."
+            )
+        groups = bitune_parameter_groups(
+            opt_model, self.args.learning_rate, self.args.bidirectional_lr_ratio, self.args.mixing_lr_ratio,
+            self.args.weight_decay, self.get_decay_parameter_names(opt_model),
+        )
+        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        return self.optimizer
 
     # ------------------------------------------------------------------ loss and metrics
     def compute_loss(

@@ -72,8 +72,44 @@ TEST_SPLITS = {"piqa": "validation", "arc_challenge": "test", "csqa": "validatio
 DATA_SEED = 1234  # the validation slice, the training rows and the test subsets: the same for every run and model
 PAPER_MIX_INIT = 0.01  # BituneConfig's default: alpha = 0.01 / (0.01 + 0.01) = 0.5
 NEAR_CAUSAL_MIX_INIT = 0.0005  # alpha = 0.0005 / 0.0105 ~ 0.048
-# Bitune's two starts, searched like the learning rate; `bitune` in the results is the one validation chose.
-METHODS = {"lora": None, "bitune_paper_start": PAPER_MIX_INIT, "bitune_near_causal": NEAR_CAUSAL_MIX_INIT}
+
+
+@dataclass(frozen=True)
+class Method:
+    """A trained configuration: LoRA (no `mix_init`) or Bitune with its start and recipe (the options beyond the
+    paper: `BituneSFTConfig`'s learning-rate multiples and mixing warm-up, `BituneConfig.mixed_layers`)."""
+
+    mix_init: float | None = None
+    rank_multiple: int = 1  # of --rank
+    bidirectional_lr_ratio: float = 1.0
+    mixing_lr_ratio: float = 1.0
+    mixing_warmup_fraction: float = 0.0  # of the training steps
+    mixed_layers: str | None = None  # "lower_half" or "upper_half" of the decoder layers; None: all
+
+    @property
+    def is_bitune(self) -> bool:
+        return self.mix_init is not None
+
+    def layers(self, num_layers: int) -> list[int] | None:
+        half = num_layers // 2
+        return {None: None, "lower_half": list(range(half)), "upper_half": list(range(half, num_layers))}[
+            self.mixed_layers]
+
+
+METHODS = {
+    "lora": Method(),
+    "lora_r16": Method(rank_multiple=2),  # as many trainable parameters as Bitune's two rank-8 sets
+    "bitune_paper_start": Method(PAPER_MIX_INIT),
+    "bitune_near_causal": Method(NEAR_CAUSAL_MIX_INIT),
+    # The recipe changes beyond the paper, each from the near-causal start that the 200-step page chose.
+    "bitune_lr_ratios": Method(NEAR_CAUSAL_MIX_INIT, bidirectional_lr_ratio=2.0, mixing_lr_ratio=0.1),
+    "bitune_lower_half": Method(NEAR_CAUSAL_MIX_INIT, mixed_layers="lower_half"),
+    "bitune_upper_half": Method(NEAR_CAUSAL_MIX_INIT, mixed_layers="upper_half"),
+    "bitune_mixing_warmup": Method(NEAR_CAUSAL_MIX_INIT, mixing_warmup_fraction=0.2),
+}
+PAPER_METHODS = ("lora", "bitune_paper_start", "bitune_near_causal")  # --methods' default
+# Bitune's two starts, searched like the learning rate; `bitune` in the results is the one validation chose. Every
+# other method runs as itself.
 BITUNE_STARTS = ("bitune_paper_start", "bitune_near_causal")
 
 
@@ -209,18 +245,23 @@ def test_subset(task: str, rows: datasets.Dataset, settings: Settings, smoke: bo
 
 
 # ---------------------------------------------------------------- training
-def peft_config(method: str, rank: int) -> LoraConfig | BituneConfig:
+def peft_config(method: str, rank: int, num_layers: int) -> LoraConfig | BituneConfig:
+    spec = METHODS[method]
+    rank *= spec.rank_multiple
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0,
                       task_type="CAUSAL_LM")
-    return lora if METHODS[method] is None else BituneConfig(adapter_config=lora, mix_init=METHODS[method])
+    if not spec.is_bitune:
+        return lora
+    return BituneConfig(adapter_config=lora, mix_init=spec.mix_init, mixed_layers=spec.layers(num_layers))
 
 
 def train(method: str, learning_rate: float, seed: int, settings: Settings, data: Data, tokenizer):
     """A fresh adapter trained with TRL; returns the model (eval mode) and the run's record."""
     transformers.set_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(settings.base, dtype=torch.float32),
-                           peft_config(method, settings.rank))
-    is_bitune = METHODS[method] is not None
+    base = AutoModelForCausalLM.from_pretrained(settings.base, dtype=torch.float32)
+    spec = METHODS[method]
+    model = get_peft_model(base, peft_config(method, settings.rank, base.config.get_text_config().num_hidden_layers))
+    is_bitune = spec.is_bitune
     with tempfile.TemporaryDirectory() as output_dir:
         common = dict(
             output_dir=output_dir, seed=seed, data_seed=seed, learning_rate=learning_rate,
@@ -231,7 +272,10 @@ def train(method: str, learning_rate: float, seed: int, settings: Settings, data
             **{compat.CHECKPOINTING_ARGUMENT: False},
         )
         if is_bitune:
-            args = BituneSFTConfig(**common, mixing_logging_steps=None)
+            args = BituneSFTConfig(**common, mixing_logging_steps=None,
+                                   bidirectional_lr_ratio=spec.bidirectional_lr_ratio,
+                                   mixing_lr_ratio=spec.mixing_lr_ratio,
+                                   mixing_warmup_steps=round(spec.mixing_warmup_fraction * settings.steps))
             trainer = BituneSFTTrainer(model=model, args=args, train_dataset=data.train, processing_class=tokenizer)
         else:
             trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=data.train,
@@ -397,8 +441,8 @@ class Experiment:
         return {**record, "test": tested}
 
     def run(self, methods: tuple[str, ...], bitune_lr_from_lora: bool = False, search_only: bool = False) -> dict:
-        """Search, choose, run every seed. With `bitune_lr_from_lora`, Bitune's search is over its starts only, at
-        the learning rate chosen for LoRA (the paper's own procedure), which halves its search runs. With
+        """Search, choose, run every seed. With `bitune_lr_from_lora`, every method but LoRA runs at the learning
+        rate chosen for LoRA (the paper's own procedure; Bitune's search is then over its starts only). With
         `search_only`, stop after the search (several processes can then share one search's runs)."""
         settings = self.settings
         searches = {}
@@ -418,7 +462,7 @@ class Experiment:
                     "seconds": round(time.time() - self.started)}
         starts = [m for m in BITUNE_STARTS if m in chosen_lr]
         bitune = max(starts, key=lambda m: searches[m][chosen_lr[m]]["validation"]["average"]) if starts else None
-        final = [m for m in methods if m == "lora" or m == bitune]
+        final = [m for m in methods if m not in BITUNE_STARTS or m == bitune]
         base = self.base_scores()
         runs = {method: {seed: self.seed_run(method, chosen_lr[method], seed) for seed in settings.seeds}
                 for method in final}
@@ -461,17 +505,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--smoke", action="store_true", help="the whole pipeline: a few steps and rows of each")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--work_dir", help="keep each finished run here (to resume; processes may share it)")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS),
+                        help=f"default: {' '.join(PAPER_METHODS)} (with --smoke: all of them). Of Bitune's starts "
+                        f"({', '.join(BITUNE_STARTS)}) validation chooses one; every other method runs as itself")
     parser.add_argument("--bitune_lr_from_lora", action="store_true",
-                        help="search Bitune's starts at LoRA's chosen learning rate only (the paper's procedure)")
+                        help="every method but LoRA (r=8) takes LoRA's chosen learning rate (the paper's procedure)")
     parser.add_argument("--search_only", action="store_true",
                         help="train and validate the search runs, then stop (no test scoring)")
     parser.add_argument("--seeds", nargs="+", type=int)
     parser.add_argument("--learning_rates", nargs="+", type=float)
     for name in ("steps", "batch_size", "rank", "max_length", "train_rows_per_task", "train_rows",
-                 "validation_rows_per_task", "test_rows", "mmlu_rows_per_subject", "eval_batch_size", "logging_steps", "threads"):
+                 "validation_rows_per_task", "test_rows", "mmlu_rows_per_subject", "eval_batch_size", "logging_steps",
+                 "threads"):
         parser.add_argument(f"--{name}", type=int, help=f"default: {getattr(defaults, name)}")
     args = parser.parse_args(argv)
+    if args.methods is None:
+        args.methods = list(METHODS) if args.smoke else list(PAPER_METHODS)
     chosen = {**asdict(defaults), **(SMOKE if args.smoke else {})}
     chosen.pop("base")
     for name in chosen:
