@@ -397,6 +397,7 @@ class Experiment:
             model.save_pretrained(self.store.adapter(key))
             outcomes = score(model, self.tokenizer, self.data.validation, self.settings)
             record["validation"] = accuracy_by_task(self.data.validation, outcomes)
+            record["validation_rows"] = "".join("1" if outcome else "0" for outcome in outcomes)  # for paired intervals
             self.store.put(key, record)
         self.log(f"{method} lr {learning_rate:g}: loss {record['train_loss']:.3f}, validation "
                  f"{record['validation']['average']:.3f} {self._elapsed()}")
@@ -455,7 +456,8 @@ class Experiment:
                      for method, runs in searches.items()}
         search = {method: {f"{lr:g}": {"validation": r["validation"], "train_loss": r["train_loss"],
                                         "loss_curve": r["loss_curve"], "train_seconds": r["train_seconds"],
-                                        **({"alphas": r["alphas"]} if "alphas" in r else {})}
+                                        **{key: r[key] for key in ("alphas", "alpha_mean_curve", "validation_rows")
+                                           if key in r}}
                            for lr, r in runs_.items()} for method, runs_ in searches.items()}
         if search_only:
             return {"model": self.base.name, "settings": asdict(settings), "search": search,
