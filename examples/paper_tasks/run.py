@@ -397,7 +397,7 @@ class Experiment:
             model.save_pretrained(self.store.adapter(key))
             outcomes = score(model, self.tokenizer, self.data.validation, self.settings)
             record["validation"] = accuracy_by_task(self.data.validation, outcomes)
-            record["validation_rows"] = "".join("1" if outcome else "0" for outcome in outcomes)  # for paired intervals
+            record["validation_rows"] = "".join("1" if outcome else "0" for outcome in outcomes)  # paired intervals
             self.store.put(key, record)
         self.log(f"{method} lr {learning_rate:g}: loss {record['train_loss']:.3f}, validation "
                  f"{record['validation']['average']:.3f} {self._elapsed()}")
