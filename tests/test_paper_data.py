@@ -367,9 +367,10 @@ def test_runner_trains_the_recipe_variants_and_the_parameter_matched_lora(instal
     output, work_dir = tmp_path / "variants.json", tmp_path / "runs"
     variants = ["bitune_lr_ratios", "bitune_lower_half", "bitune_upper_half", "bitune_mixing_warmup"]
     runner.main([*RUNNER_ARGUMENTS, "--work_dir", str(work_dir), "--json", str(output), "--search_only",
-                 "--steps", "5", "--seeds", "0", "--bitune_lr_from_lora", "--methods", "lora", "lora_r16", *variants])
+                 "--steps", "5", "--seeds", "0", "--bitune_lr_from_lora", "--methods", "lora", "lora_r16",
+                 "bitune_near_causal", *variants])
     results = json.loads(output.read_text())
-    assert set(results["search"]) == {"lora", "lora_r16", *variants}
+    assert set(results["search"]) == {"lora", "lora_r16", "bitune_near_causal", *variants}
     lora_rate = max(results["search"]["lora"], key=lambda lr: results["search"]["lora"][lr]["validation"]["average"])
     assert all(list(results["search"][method]) == [lora_rate] for method in ["lora_r16", *variants])
     saved = (work_dir / "adapters").glob("*-lora_r16-*/adapter_config.json")
@@ -381,6 +382,21 @@ def test_runner_trains_the_recipe_variants_and_the_parameter_matched_lora(instal
     assert all(a > 0 for a in lower[:half]) and all(a == 0 for a in lower[half:])
     assert all(a == 0 for a in upper[:half]) and all(a > 0 for a in upper[half:])
     assert "runs" not in results  # --search_only: nothing scored on test
+    # The validation report: every run against plain Bitune and LoRA on the same rows, its table and figure.
+    recipes = load_example("recipes_report")
+    recipes.main([str(output), "--json", str(tmp_path / "recipes.json"), "--images", str(tmp_path / "images" / "r")])
+    merged = json.loads((tmp_path / "recipes.json").read_text())
+    (stage,) = merged["stages"].values()
+    for method in variants:
+        (run,) = stage["runs"][method].values()
+        for reference in ("bitune_near_causal", "lora"):
+            difference = run[f"minus_{reference}"]
+            assert difference["ci95"][0] <= difference["mean"] <= difference["ci95"][1]
+    plain = stage["runs"]["bitune_near_causal"][lora_rate]
+    assert "minus_bitune_near_causal" not in plain and "minus_lora" in plain
+    table = recipes.markdown(merged)
+    assert all(f"| {method} | {lora_rate} |" in table for method in stage["runs"])
+    assert (tmp_path / "images" / "r_0.png").is_file()
 
 
 def test_training_rows_as_a_total_give_a_short_split_all_it_has():
