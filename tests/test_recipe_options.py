@@ -103,6 +103,7 @@ def test_mixed_layers_are_saved_and_loaded_with_the_adapter(load_base, tmp_path)
     model.save_pretrained(tmp_path / "adapter")
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert saved["mixed_layers"] == [1]
+    assert "layers [1] only are mixed" in (tmp_path / "adapter" / "README.md").read_text()
     loaded = PeftModel.from_pretrained(load_base("qwen3"), tmp_path / "adapter")
     _, batch, _ = make_batch("right")
     with torch.no_grad():
@@ -244,6 +245,8 @@ def test_the_warm_up_releases_the_mix_linearly_and_ends_released(trl_model_dir, 
     trainer.train()
     assert recorder.releases == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert trainer.model.base_model.mixer.release == 1.0
+    trainer.create_model_card()  # the card says how the adapter was trained
+    assert "`mixing_warmup_steps=4`" in (tmp_path / "README.md").read_text()
     logged = [entry["bitune/alpha_keys_mean"] for entry in trainer.state.log_history if "loss" in entry]
     assert logged[0] == 0.0 and logged[-1] > 0  # the logs show the alphas in force
 

@@ -51,6 +51,9 @@ from .checks import (
 )
 from .config import BituneSFTConfig
 
+# The training options beyond the paper, at their defaults (the paper's recipe); the card names those that differ.
+RECIPE_DEFAULTS = {"bidirectional_lr_ratio": 1.0, "mixing_lr_ratio": 1.0, "mixing_warmup_steps": 0}
+
 
 class BituneSFTTrainer(SFTTrainer):
     """
@@ -294,7 +297,9 @@ class BituneSFTTrainer(SFTTrainer):
             from peft_bitune.model_card import write_trl_model_card
 
             bitune = find_bitune_tuner(self.accelerator.unwrap_model(self.model))
-            write_trl_model_card(self.args.output_dir, bitune.peft_config[bitune.active_adapter], location)
+            recipe = {name: getattr(self.args, name) for name, default in RECIPE_DEFAULTS.items()
+                      if getattr(self.args, name) != default}
+            write_trl_model_card(self.args.output_dir, bitune.peft_config[bitune.active_adapter], location, recipe)
 
     def _whole_mixing_scalars(self, bitune: BituneModel) -> contextlib.AbstractContextManager:
         """
