@@ -124,6 +124,27 @@ def test_output_is_aligned_with_input_and_prompt_positions_are_zero(load_base):
     assert torch.all(out.logits[~unused].abs().sum(-1) > 0)
 
 
+def test_logits_are_a_tensor_of_their_own_and_take_an_in_place_op(load_base):
+    """Not a view: FSDP2 hooks the backward of the model's outputs, and an in-place op on a returned view drops that
+    hook (tests/test_sharding.py trains through one). A loss from the logits after `div_` gives the same gradients."""
+    model = make_bitune(load_base("llama"))
+    model.train()
+    _, batch, _ = make_batch("right")
+    out = model(**batch)
+    assert out.logits._base is None, "the logits are a view of another tensor"
+    out.loss.backward()
+    expected = trainable_grads(model)
+    model.zero_grad()
+    logits = model(**batch).logits
+    logits.div_(1.0)
+    labels = batch["labels"]
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).backward()
+    got = trainable_grads(model)
+    assert got.keys() == expected.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_every_parameter_that_can_influence_the_loss_gets_a_gradient(load_base):
     base = load_base("llama")
     frozen_before = {n for n, p in base.named_parameters()}
