@@ -169,19 +169,21 @@ class ConversationLayout:
         """Put each turn's per-answer-position values (rows, width, ...) back at their input positions of a zero
         (batch_size, seq_len, ...) tensor.
 
-        One `index_copy_` per turn from a view of the values (no gathered copy of them): chunk padding is sent to one
-        spare row past the end, which is dropped.
+        The result is a tensor of its own, not a view: FSDP2 hooks the backward of a model's outputs, and an in-place
+        op on a returned view (`logits /= t`) would drop that hook, so that backward could run on freed parameters.
+        Each turn's real answer positions are gathered (a transient copy, freed once written; chunk padding is left
+        out).
         """
         first = answer_values[0]
         trailing = first.shape[2:]
-        flat = first.new_zeros((batch_size * seq_len + 1, *trailing))
-        spare = batch_size * seq_len
+        out = first.new_zeros((batch_size, seq_len, *trailing))
+        flat = out.view(batch_size * seq_len, *trailing)  # writes through to `out`
         for turn, values in zip(self.turns, answer_values):
             real = turn.answer.mask.bool()
             rows = turn.rows if turn.rows is not None else torch.arange(real.shape[0], device=real.device)
-            target = torch.where(real, rows[:, None] * seq_len + turn.answer.index, spare)
-            flat.index_copy_(0, target.flatten(), values.reshape(-1, *trailing))
-        return flat[:spare].view(batch_size, seq_len, *trailing)
+            target = rows[:, None] * seq_len + turn.answer.index
+            flat.index_copy_(0, target[real], values[real])
+        return out
 
 
 def _segments(valid: torch.Tensor, is_answer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,7 +85,12 @@ def reference_row(model, tokens: torch.Tensor, prompt_length: int, second_pass_c
 
 def reference_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
     """Greedy decoding by re-running the training-style reference on prompt + generated-so-far at every step."""
-    tokens = prompt.tolist()
+    return reference_greedy_steps(model, prompt, max_new_tokens)[0]
+
+
+def reference_greedy_steps(model, prompt: torch.Tensor, max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """`reference_greedy`'s tokens, and the logits (vocab,) each of them was the argmax of."""
+    tokens, step_logits = prompt.tolist(), []
     for _ in range(max_new_tokens):
         row = torch.tensor(tokens)
         cache = reference_prefill(model, row[None][:, : len(prompt)])
@@ -95,8 +100,9 @@ def reference_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[i
                 **compat.with_cache(model.base_model.model, cache),
                 use_cache=True,
             ).logits
+        step_logits.append(logits[0, -1])
         tokens.append(int(logits[0, -1].argmax()))
-    return tokens[len(prompt) :]
+    return tokens[len(prompt) :], step_logits
 
 
 def _cache_from(keys, values) -> DynamicCache:

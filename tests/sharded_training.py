@@ -2,7 +2,8 @@
 
 Run under `torchrun --nproc_per_node 2 tests/sharded_training.py OUTPUT_DIR CASES_JSON` (CPU, gloo): for each case,
 every process trains on its half of each batch, the full state dict is gathered, and the main process saves the
-trainable weights (or the error) to OUTPUT_DIR/<case>.pt, and with `"save": true` the adapter to OUTPUT_DIR/<case>/.
+trainable weights (or the error) and FSDP2's warnings about returned views to OUTPUT_DIR/<case>.pt, and with
+`"save": true` the adapter to OUTPUT_DIR/<case>/.
 `reference_training` runs the same steps in one process (the loss of a step is the mean of the per-process losses, as
 data parallelism averages gradients). Nothing is downloaded.
 """
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
+from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import peft_bitune
@@ -73,11 +76,21 @@ def trainable_names(model) -> list[str]:
     return [name for name, parameter in model.named_parameters() if parameter.requires_grad]
 
 
-def train(model, rows: slice) -> None:
-    """SGD steps on the rows `rows` of every batch."""
+def loss_after_in_place_op(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The Bitune loss recomputed from the returned logits after an in-place op on them, as a callback or a user's own
+    loss may do; dividing by a temperature of 1 leaves the values, and so the gradients, as they were."""
+    logits.div_(1.0)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def train(model, rows: slice, in_place_on_logits: bool = False) -> None:
+    """SGD steps on the rows `rows` of every batch; the loss is the model's own, or recomputed from its logits after
+    an in-place op on them."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
     for ids, mask, labels in batches():
-        model(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows]).loss.backward()
+        output = model(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows])
+        loss = loss_after_in_place_op(output.logits, labels[rows]) if in_place_on_logits else output.loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
@@ -105,6 +118,17 @@ def shard_fsdp2(model):
     for layer in model.base_model.model.model.layers:
         fully_shard(layer)
     return fully_shard(model)
+
+
+def shard_fsdp2_root_resharded(model):
+    """`fully_shard` on every decoder layer, then on the root with `reshard_after_forward=True`: the root's own
+    parameters (embeddings, final norm, LM head, mixing scalars) are freed after the forward, and gathered again for
+    backward only by FSDP's hooks on the root's outputs."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model, reshard_after_forward=True)
 
 
 def shard_fsdp2_as_accelerate(model):
@@ -153,6 +177,7 @@ def shard_fsdp1(model):
 
 SHARDINGS = {
     "fsdp2": shard_fsdp2,
+    "fsdp2_root_resharded": shard_fsdp2_root_resharded,
     "fsdp2_accelerate": shard_fsdp2_as_accelerate,
     "fsdp2_layers_only": shard_fsdp2_layers_only,
     "fsdp1": shard_fsdp1,
@@ -208,7 +233,12 @@ def run_case(case: dict, output_dir: Path) -> None:
         "fsdp2_units": fsdp2_units(model),
     }
     try:
-        train(sharded, slice(rank * ROWS_PER_PROCESS, (rank + 1) * ROWS_PER_PROCESS))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(sharded, slice(rank * ROWS_PER_PROCESS, (rank + 1) * ROWS_PER_PROCESS),
+                  case.get("in_place_on_logits", False))
+        # FSDP2 warns when a unit returns a view: an in-place op on it would drop FSDP's backward hook.
+        outcome["view_warnings"] = [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
         outcome["weights"] = gather_weights(sharded, case["sharding"], names)
         if case.get("save"):
             save_adapter(model, output_dir / case["name"])

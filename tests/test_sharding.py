@@ -1,7 +1,8 @@
 """Bitune under sharded data parallelism (FSDP), on 2 CPU processes with gloo, against the same steps in one process.
 
 accelerate turns an FSDP request into plain DDP on a machine without accelerators, so the sharding is applied
-directly: FSDP2 `fully_shard` on every decoder layer, then on the root, and through accelerate's own FSDP2
+directly: FSDP2 `fully_shard` on every decoder layer, then on the root (also with the root's parameters freed after
+forward, and a loss recomputed from the logits after an in-place op on them), and through accelerate's own FSDP2
 preparation (which also makes units of the embeddings and of the final norm with the LM head); FSDP1 as the
 `FullyShardedDataParallel` wrapper with one unit per decoder layer. The DDP test is in test_trl_training.py.
 """
@@ -27,6 +28,8 @@ CASES = [
     {"name": "fsdp2", "sharding": "fsdp2"},
     {"name": "fsdp2_accelerate", "sharding": "fsdp2_accelerate", "save": True},
     {"name": "fsdp2_checkpointing", "sharding": "fsdp2", "gradient_checkpointing": True},  # non-reentrant
+    # The loss recomputed from the logits after an in-place op on them, with the root's parameters freed after forward.
+    {"name": "fsdp2_in_place_on_logits", "sharding": "fsdp2_root_resharded", "in_place_on_logits": True},
     {"name": "fsdp1", "sharding": "fsdp1"},
     {"name": "fsdp2_layers_only", "sharding": "fsdp2_layers_only"},
 ]
@@ -81,7 +84,9 @@ def test_reference_trains_both_weight_sets_and_the_mixing_scalars(reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["fsdp2", "fsdp2_accelerate", "fsdp2_checkpointing", "fsdp1"])
+@pytest.mark.parametrize(
+    "case", ["fsdp2", "fsdp2_accelerate", "fsdp2_checkpointing", "fsdp2_in_place_on_logits", "fsdp1"]
+)
 def test_sharded_training_matches_one_process(sharded_runs, reference, case):
     outcome = sharded_runs[case]
     assert "error" not in outcome, outcome.get("error")
@@ -96,6 +101,16 @@ def test_sharded_training_matches_one_process(sharded_runs, reference, case):
     for name, value in weights.items():
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
         assert torch.equal(value, before[name]) != _receives_gradient(name), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fsdp2", "fsdp2_accelerate", "fsdp2_checkpointing", "fsdp2_in_place_on_logits"])
+def test_fsdp2_units_return_no_views(sharded_runs, case):
+    """An in-place op on a view that a unit returned would drop FSDP2's pre-backward hook (which gathers the unit's
+    parameters again), and FSDP2 warns about every such output."""
+    outcome = sharded_runs[case]
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["view_warnings"] == []
 
 
 @pytest.mark.slow
