@@ -42,6 +42,7 @@ from .validation import (
     OpenAIError,
     check_fields,
     check_messages,
+    check_n_and_stream,
     check_stop,
     optional_number,
     optional_string,
@@ -94,10 +95,7 @@ class ChatCompletions:
                 404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.", "model",
                 "model_not_found",
             )
-        if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
-            raise OpenAIError(400, f"`n` must be 1 (one answer per request), got {body['n']!r}.", "n")
-        if body.get("stream") not in (None, True, False):
-            raise OpenAIError(400, f"`stream` must be true or false, got {body['stream']!r}.", "stream")
+        check_n_and_stream(body)
         messages = check_messages(body.get("messages"))
         max_completion_tokens = optional_number(body, "max_completion_tokens", int, 1)
         max_tokens = optional_number(body, "max_tokens", int, 1)

@@ -87,6 +87,17 @@ def check_fields(body: dict) -> None:
         )
 
 
+def check_n_and_stream(body: dict) -> None:
+    """`n` and `stream` with OpenAI's types, strictly: `n` a JSON integer (1 here; not 1.0 or true) and `stream` a JSON
+    boolean (not 1 or "true"). Python compares 1.0 == 1 and 1 == True, so the types are checked, not only the
+    values."""
+    n, stream = body.get("n"), body.get("stream")
+    if n is not None and (type(n) is not int or n != 1):
+        raise OpenAIError(400, f"`n` must be the integer 1 (one answer per request), got {n!r}.", "n")
+    if stream is not None and type(stream) is not bool:
+        raise OpenAIError(400, f"`stream` must be true or false (a JSON boolean), got {stream!r}.", "stream")
+
+
 def check_messages(messages: Any) -> list[dict]:
     """The messages, checked: text content only (a string or a list of text parts), known roles."""
     if not isinstance(messages, list) or not messages:
