@@ -22,7 +22,7 @@ def number_problem(value: Any) -> str | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, float) and not math.isfinite(value):
-        return f"must be a finite number, got {value} (nan, inf and values beyond a float's range, e.g. 1e999, are not)"
+        return f"must be a finite number, got {value} (nan, inf and floats beyond range, e.g. 1e999, are not)"
     if isinstance(value, int) and not INT64_RANGE[0] <= value <= INT64_RANGE[1]:
         return f"must fit in 64 bits (between -2^63 and 2^63 - 1), got {value}"
     return None
