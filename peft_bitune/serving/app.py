@@ -123,15 +123,14 @@ class ChatCompletions:
                 "messages", "context_length_exceeded",
             )
         # Seeded on the worker, right before this request runs: seeding here would reseed whatever runs meanwhile.
-        generation_config = self._generation_config(temperature, top_p, stop)
+        generation_config = self._generation_config(temperature, top_p)
         return ChatRequest(prompt, generation_config, max_tokens, stop, seed, partition)
 
-    def _generation_config(self, temperature: float | None, top_p: float | None, stop: list[str]) -> Any:
+    def _generation_config(self, temperature: float | None, top_p: float | None) -> Any:
         """The model's generation config with the request's settings: greedy at temperature 0, sampling at any
         other temperature or `top_p` (as OpenAI does), the model's own choice when neither is given."""
         generation_config = copy.deepcopy(self.engine.model.generation_config)
-        if stop:
-            generation_config.stop_strings = stop
+        generation_config.stop_strings = None  # the request's own, in `ChatRequest.stop` (`streaming.StopStrings`)
         if temperature == 0.0:
             generation_config.do_sample = False
             generation_config.temperature = generation_config.top_p = None  # greedy: no sampling settings to warn of

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import StoppingCriteriaList, StopStringCriteria
+from transformers import StoppingCriteriaList
 
 from .. import compat
 from ..caches import BituneCache
@@ -34,7 +34,7 @@ from .batching import RowStops, row_cache, stack_left_padded
 from .conversations import ConversationStore, KeptConversation
 from .prompts import Prompt, PromptBuilder, PromptLayoutError
 from .settings import BatchLimits
-from .streaming import RowStreams, cut_at_stop
+from .streaming import RowStreams, StopStrings, cut_at_stop
 from .worker import ModelWorker
 
 
@@ -296,8 +296,8 @@ class ChatEngine:
         finished = hit_stop or ended_by_eos or generated < stops.max_new_tokens[row]
         return ChatResult(content, answer_ids, "stop" if finished else "length", len(prompt), read.cached_tokens)
 
-    def _stop_criteria(self, stop: list[str]) -> StopStringCriteria | None:
-        return StopStringCriteria(self.tokenizer, stop) if stop else None
+    def _stop_criteria(self, stop: list[str]) -> StopStrings | None:
+        return StopStrings(self.tokenizer, stop) if stop else None
 
     def read(self, prompt: Prompt, cache: BituneCache | None = None, cached: int = 0) -> BituneCache:
         """
