@@ -20,7 +20,7 @@ from peft_bitune.serving.engine import ChatEngine  # noqa: E402
 from peft_bitune.serving.server import serving_in_thread  # noqa: E402
 from peft_bitune.serving.streaming import StopTextFilter, cut_at_stop  # noqa: E402
 from peft_bitune.serving.validation import MAX_STOP_LENGTH, MAX_STOP_STRINGS  # noqa: E402
-from serving_helpers import NAME, REQUEST_TIMEOUT_S, STORIES, load_model, post_raw, user  # noqa: E402
+from serving_helpers import NAME, REQUEST_TIMEOUT_S, STORIES, assistant, load_model, post_raw, user  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +127,87 @@ def test_distinct_stop_strings_leave_nothing_behind_and_still_stop_the_answer(se
         assert cut.choices[0].finish_reason == "stop"
         assert cut.usage.completion_tokens <= free.usage.completion_tokens
     assert len(cache) == before
+
+
+# ------------------------------------------------------------------------------------------------------- many turns
+def many_turns(pairs: int) -> list[dict]:
+    """`pairs` user/assistant turns and a last question: short, distinct messages."""
+    messages = []
+    for i in range(pairs):
+        messages += [user(f"Ask: is {i} even?"), assistant(f"Answer: {'yes' if i % 2 else 'no'}")]
+    return [*messages, user("Ask: and now?")]
+
+
+def best_time(function, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_thousands_of_turns_are_refused_before_any_rendering_as_fast_as_a_small_request(server, monkeypatch):
+    """2,000 user/assistant pairs cannot fit in the model's positions, which a bound on the messages shows without
+    rendering them: refused at once (the server rendered the conversation up to every answer first, 46.9 s for as
+    many pairs). The time is bounded as a ratio to a small request's, answered in the same run."""
+    url, engine = server
+    rendered = []
+    monkeypatch.setattr(engine.prompts, "render", lambda *args, **kwargs: rendered.append(args) or "")
+    body = json.dumps({"model": NAME, "messages": many_turns(2000), "max_tokens": 1, "temperature": 0}).encode()
+    long_time = best_time(lambda: post_raw(url, body))
+    status, answer, _ = post_raw(url, body)
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+    assert "take at least" in answer["error"]["message"] and rendered == []
+    monkeypatch.undo()
+    small_time = best_time(lambda: request(url, max_tokens=1))
+    assert long_time < 10 * small_time, (long_time, small_time)
+
+
+def test_the_answers_of_thousands_of_turns_are_found_in_time_linear_in_the_conversation(serving_tokenizer,
+                                                                                         serving_template):
+    """Without `{% generation %}` markers the answers are found from renderings of a few messages at a time, which
+    must tile the whole rendering: 16 times the turns take at most about 16 times as long (rendering up to every
+    answer took 256 times as long), and the layout is the one transformers' assistant mask gives the same template
+    with markers (one rendering, linear)."""
+    from peft_bitune.serving.prompts import PromptBuilder
+    from test_serving import MARKED_TEMPLATE
+
+    eos = [serving_tokenizer.eos_token]
+    plain = PromptBuilder(serving_tokenizer, serving_template, "alternating", eos)
+    marked = PromptBuilder(serving_tokenizer, MARKED_TEMPLATE, "alternating", eos)
+    few, many = many_turns(125), many_turns(2000)
+    assert plain.build(many) == marked.build(many)
+    assert len(plain.build(many).segment_ends) == 2 * 2000 + 1
+    few_time, many_time = best_time(lambda: plain.build(few)), best_time(lambda: plain.build(many), repeats=1)
+    assert many_time < 3 * 16 * few_time, (few_time, many_time)
+
+
+def test_one_requests_preparation_does_not_hold_back_another(server, monkeypatch):
+    """A request whose preparation does not end (held here on purpose) leaves the others' preparations running: a
+    small request is answered meanwhile (one preparation thread served every client in turn)."""
+    import threading
+
+    url, engine = server
+    release, started = threading.Event(), threading.Event()
+    build = engine.prompts.build
+
+    def held_build(messages):
+        if messages[0]["content"] == "hold":
+            started.set()
+            release.wait(REQUEST_TIMEOUT_S)
+        return build(messages)
+
+    monkeypatch.setattr(engine.prompts, "build", held_build)
+    held = threading.Thread(target=request, args=(url,), kwargs={"messages": [user("hold")]})
+    held.start()
+    try:
+        assert started.wait(REQUEST_TIMEOUT_S)
+        answered = []
+        small = threading.Thread(target=lambda: answered.append(request(url, max_tokens=1)[0]))
+        small.start()
+        small.join(60)
+        assert answered == [200] and not release.is_set() and held.is_alive()
+    finally:
+        release.set()
+        held.join(REQUEST_TIMEOUT_S)

@@ -4,9 +4,10 @@ Requests are checked here (`validation.py`) and answered with OpenAI's own respo
 `ChatCompletion`, and `ChatCompletionChunk` as server-sent events when streaming) or OpenAI's JSON error objects. The
 server guards itself (`ServerSettings`, as vLLM's server does and a little more): API keys on every `/v1` call, JSON
 bodies only and of bounded size (so that no web page a user visits can drive it with a plain form post), no CORS
-headers and no `/docs` unless asked for. Rendering and tokenizing run on a thread of their own, and the model on the
-engine's worker thread (`engine.py`, which answers waiting requests in batches), so the event loop stays free for
-other clients (and `/health`) while a long request is prepared or answered.
+headers and no `/docs` unless asked for. Rendering and tokenizing run on threads of their own (several, so that one
+request's preparation never holds back another's), and the model on the engine's worker thread (`engine.py`, which
+answers waiting requests in batches), so the event loop stays free for other clients (and `/health`) while a long
+request is prepared or answered.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from .validation import (
 )
 
 _WORK_DONE = object()  # queued after the worker finished a streaming request, whatever happened
+PREPARATION_THREADS = 4  # requests checked, rendered and tokenized at once
 
 
 class ChatCompletions:
@@ -60,8 +62,9 @@ class ChatCompletions:
         self.engine = engine
         self.model_name = model_name
         self.cancelled_streams = 0  # streams whose client left before the answer was complete
-        # Requests are rendered and tokenized here, one at a time, never on the event loop.
-        self._preparing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitune-prepare")
+        # Requests are checked, rendered and tokenized here, never on the event loop, and on several threads, so that
+        # one request's preparation never holds back another's.
+        self._preparing = ThreadPoolExecutor(max_workers=PREPARATION_THREADS, thread_name_prefix="bitune-prepare")
 
     async def handle_request(
         self, body: dict, request_id: str, api_key: int | None = None
@@ -108,23 +111,35 @@ class ChatCompletions:
         seed = optional_number(body, "seed", int, *SEED_RANGE)
         stop = check_stop(body.get("stop"))
         partition = (api_key, optional_string(body, "user"), optional_string(body, "prompt_cache_key"))
+        texts = text_messages(messages)
+        fewest = self.engine.fewest_tokens(texts)  # before any rendering: cheap, and linear in the request
+        if not self.engine.room_for(fewest, max_tokens):
+            raise self._too_long(f"at least {fewest} tokens ({len(texts)} messages of {self._characters(texts)} "
+                                 "characters)", max_tokens)
         try:
-            prompt = self.engine.prompts.build(text_messages(messages))
+            prompt = self.engine.prompts.build(texts)
         except TemplateError as error:
             raise OpenAIError(400, f"The chat template refused the messages: {error}", "messages") from error
         except PromptLayoutError as error:
             raise OpenAIError(400, str(error), "messages") from error
         if not self.engine.room_for(len(prompt), max_tokens):
-            raise OpenAIError(
-                400,
-                f"This model's maximum context length is {self.engine.max_positions} tokens; the messages take "
-                f"{len(prompt)} tokens and {max_tokens or 1} more are asked for. Shorten the conversation or "
-                "lower `max_tokens` (nothing is truncated silently).",
-                "messages", "context_length_exceeded",
-            )
+            raise self._too_long(f"{len(prompt)} tokens", max_tokens)
         # Seeded on the worker, right before this request runs: seeding here would reseed whatever runs meanwhile.
         generation_config = self._generation_config(temperature, top_p)
         return ChatRequest(prompt, generation_config, max_tokens, stop, seed, partition)
+
+    def _too_long(self, taken: str, max_tokens: int | None) -> OpenAIError:
+        return OpenAIError(
+            400,
+            f"This model's maximum context length is {self.engine.max_positions} tokens; the messages take {taken} "
+            f"and {max_tokens or 1} more are asked for. Shorten the conversation or lower `max_tokens` (nothing is "
+            "truncated silently).",
+            "messages", "context_length_exceeded",
+        )
+
+    @staticmethod
+    def _characters(texts: list[dict]) -> int:
+        return sum(len(message["content"]) for message in texts)
 
     def _generation_config(self, temperature: float | None, top_p: float | None) -> Any:
         """The model's generation config with the request's settings: greedy at temperature 0, sampling at any

@@ -137,11 +137,22 @@ class ChatEngine:
             raise ValueError(f"The chat template cannot be used: {type(error).__name__}: {error}") from error
         self.store = ConversationStore(cache_budget_bytes)
         self.max_positions = max_positions(model)
+        self.chars_per_token = max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
         self.limits = limits or BatchLimits()
         # Sliding-window layers count their window in cache columns and keep only its last ones: such caches cannot
         # be padded together, so those models answer one request at a time.
         self.batchable = not any(BituneCache(config=model.config).is_sliding)
         self.worker = ModelWorker()
+
+    def fewest_tokens(self, messages: list[dict]) -> int:
+        """
+        The fewest tokens `messages` can take once rendered, known without rendering them (so that a conversation
+        that cannot fit is refused before any rendering, in time linear in the request): a template writes at least
+        one token per message and every message's text, and one token holds at most `chars_per_token` characters
+        (the longest token of the vocabulary).
+        """
+        characters = sum(len(message["content"]) for message in messages)
+        return max(len(messages), -(-characters // self.chars_per_token))
 
     def room_for(self, prompt_tokens: int, max_tokens: int | None) -> bool:
         """Whether a prompt of this many tokens and its answer fit in the model's positions."""
