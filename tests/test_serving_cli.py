@@ -134,3 +134,13 @@ def test_an_api_key_that_is_not_printable_ascii_is_refused_at_startup(key, monke
     monkeypatch.setenv(cli.API_KEY_VARIABLE, key)
     assert cli.API_KEY_VARIABLE in parse_refusal([])
     assert cli.parse_args(["--model", BASE, "--adapter", "x", "--api-key", "sk-Abc_123~!"]).api_key == ["sk-Abc_123~!"]
+
+
+def test_a_reduced_precision_server_that_batches_says_that_batching_may_change_answers():
+    """docs/serving.md, "Precision": exact in float32 or one request at a time; in bfloat16 and float16 the server
+    says at startup that a batched answer can differ, and how to make it exact."""
+    for dtype in ("bfloat16", "float16"):
+        note = cli.precision_note(dtype, 8)
+        assert note.startswith("bitune-serve: note: ") and dtype in note and "--dtype float32" in note
+        assert "\n" not in note and cli.precision_note(dtype, 1) is None
+    assert cli.precision_note("float32", 8) is None

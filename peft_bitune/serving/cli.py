@@ -207,6 +207,17 @@ def bind_or_fail(host: str, port: int) -> socket.socket:
                    "pick another with --port (0 picks a free one).") from None
 
 
+def precision_note(dtype: str, max_batch_size: int) -> str | None:
+    """The startup note of a server whose batches may change greedy answers: in bfloat16 and float16 a padded batch
+    sums in another order than a request alone, and a near-tie between two tokens can flip (docs/serving.md,
+    "Precision"). None where every answer is the same alone and in a batch (float32, or one request at a time)."""
+    if dtype not in ("bfloat16", "float16") or max_batch_size == 1:
+        return None
+    return (f"bitune-serve: note: in {dtype}, a greedy answer in a batch can differ from the same request answered "
+            "alone (a padded batch sums in another order; docs/serving.md gives the measured rate). --dtype float32, "
+            "or --max-batch-size 1, answers every request exactly as alone.")
+
+
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -228,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except BaseException:
         sock.close()
         raise
+    if note := precision_note(str(engine.model.dtype).removeprefix("torch."), args.max_batch_size):
+        print(note, file=sys.stderr, flush=True)
     if not args.api_key and not is_loopback(args.host):
         print(f"bitune-serve: warning: listening on {args.host} without --api-key: anyone who can reach this port can "
               "use the model. Set --api-key (or BITUNE_SERVE_API_KEY).", file=sys.stderr, flush=True)
