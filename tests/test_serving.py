@@ -317,6 +317,9 @@ def test_a_conversation_that_opens_with_an_assistant_message_is_read_as_training
     assert plain == marked and plain.answer_mask() == [bool(m) for m in trl["assistant_masks"]]
     answers = [tokenizer.decode(plain.token_ids[start:end]) for start, end, is_answer in plain.segments() if is_answer]
     assert answers == ["Answer: 5</s>"] and plain.answer_mask()[0] is False
+    empty = [assistant(""), *messages[1:]]  # an empty leading answer is its EOS token, with markers as without
+    assert PromptBuilder(tokenizer, serving_template, "alternating", eos).build(empty) == PromptBuilder(
+        tokenizer, MARKED_TEMPLATE, "alternating", eos).build(empty)
     by_forward = greedy_by_the_training_forward(full_prefill.engine.model, plain, MAX_TOKENS, {tokenizer.eos_token_id})
     marked_engine = FullPrefill(full_prefill.engine.model, tokenizer, MARKED_TEMPLATE)
     assert full_prefill.result(messages).answer_ids == marked_engine.result(messages).answer_ids == by_forward

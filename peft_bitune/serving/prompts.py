@@ -204,15 +204,15 @@ class PromptBuilder:
                 raise self._hidden(k)
             return len(prompted)
         generation_prompt = self.generation_prompt()
-        content_at = written.find(message["content"])
-        if content_at < 0 or not written[:content_at].endswith(generation_prompt):
+        prompted_at = written.find(generation_prompt + message["content"])
+        if prompted_at < 0:
             raise PromptLayoutError(
                 "The conversation opens with an assistant message, and the chat template does not write the "
                 f"generation prompt ({generation_prompt!r}) right before its content, so the server cannot tell where "
                 "that answer starts as training would read it. Start the conversation with a system or user message, "
                 "or " + _MARKERS_HINT[0].lower() + _MARKERS_HINT[1:]
             )
-        return content_at
+        return prompted_at + len(generation_prompt)
 
     def generation_prompt(self) -> str:
         """What the template writes to prompt an answer (after the probe conversation)."""
