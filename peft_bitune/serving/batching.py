@@ -103,13 +103,13 @@ class RowStops(StoppingCriteria):
         generated = input_ids.shape[1] - self.prompt_width
         last = input_ids[:, -1].tolist()
         for row, length in enumerate(self.lengths):
-            if length is None and self._ends(row, generated, last[row], input_ids, scores):
+            if length is None and self._ends(row, generated, last[row]):
                 self.lengths[row] = generated
                 if self.on_end is not None:
                     self.on_end(row, input_ids)
         return torch.tensor([length is not None for length in self.lengths], device=input_ids.device)
 
-    def _ends(self, row: int, generated: int, last: int, input_ids: torch.Tensor, scores: torch.Tensor) -> bool:
+    def _ends(self, row: int, generated: int, last: int) -> bool:
         cancelled, stop = self.cancelled[row], self.stop_criteria[row]
         if generated >= self.max_new_tokens[row] or last in self.eos_ids or (cancelled is not None and
                                                                              cancelled.is_set()):
