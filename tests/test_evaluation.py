@@ -618,3 +618,26 @@ def test_seeds_example_runs_offline(tmp_path, capsys):
         assert len(values) == 2 and all(0.0 <= value <= 1.0 for value in values)
         assert results["summary"][method]["average"]["mean"] == pytest.approx(sum(values) / 2)
     assert "| Task | LoRA | Bitune |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags", [
+    ["--limit", "0"], ["-L", "0"], ["--limit=nan"], ["--limit", "inf"], ["--limit", "1e999"], ["--limit=-3"],
+    ["--limit", "2.5"], ["--num_fewshot=-1"], ["--num_fewshot", str(2**64)], ["--max_batch_size", "0"],
+    ["--batch_size", "0"], ["--batch_size", "auto:0"], ["--seed", "-1"], ["--seed", f"0,{2**32},1,2"],
+])
+def test_bitune_eval_refuses_numbers_the_harness_would_fail_on_before_loading_anything(flags, monkeypatch):
+    """`--limit 0` ended in the harness's traceback ("did not find any docs") after the model had loaded; now it and
+    the other numeric flags that parse but cannot be used are refused in one line, before the harness is imported."""
+    monkeypatch.setitem(sys.modules, "lm_eval.__main__", None)  # importing the harness would fail the test
+    with pytest.raises(SystemExit) as error:
+        bitune_eval(["run", "--model", "bitune", "--model_args", "pretrained=x", "--tasks", "local_mc", *flags])
+    message = str(error.value.code)
+    assert message.startswith("bitune-eval: ") and "`-" in message and "\n" not in message, message
+
+
+def test_bitune_eval_takes_the_numbers_the_harness_can_use():
+    from peft_bitune.evaluation.cli import refuse_unusable_numbers
+
+    for flags in (["--limit", "0.5"], ["-L", "3"], ["--limit=10.0"], ["--num_fewshot", "0"], ["-b", "auto:4"],
+                  ["--batch_size", "8"], ["--batch_size=auto"], ["--max_batch_size", "64"], ["--seed", "0,None,1,2"]):
+        refuse_unusable_numbers(["run", "--model", "bitune", *flags])  # no SystemExit

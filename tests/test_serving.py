@@ -22,12 +22,13 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from peft_bitune.caches import BituneCache  # noqa: E402
 from peft_bitune.serving import ConversationStore, KeptConversation  # noqa: E402
-from peft_bitune.serving.app import build_app  # noqa: E402
+from peft_bitune.serving.app import ChatCompletions, build_app  # noqa: E402
 from peft_bitune.serving.conversations import reusable_prefix  # noqa: E402
 from peft_bitune.serving.engine import ChatEngine  # noqa: E402
 from peft_bitune.serving.prompts import Prompt, PromptBuilder, PromptLayoutError  # noqa: E402
 from peft_bitune.serving.server import serving_in_thread  # noqa: E402
 from peft_bitune.serving.streaming import StopTextFilter, TextStream, cut_at_stop  # noqa: E402
+from peft_bitune.serving.validation import OpenAIError  # noqa: E402
 from reference import make_bitune  # noqa: E402
 from serving_helpers import (  # noqa: E402
     BASE,
@@ -36,6 +37,7 @@ from serving_helpers import (  # noqa: E402
     NAME,
     REQUEST_TIMEOUT_S,
     STORIES,
+    FullPrefill,
     ask,
     assistant,
     converse,
@@ -296,6 +298,54 @@ def test_the_turns_are_found_from_the_template_as_trl_finds_the_assistant_spans(
     with pytest.raises(PromptLayoutError, match="generation %"):
         PromptBuilder(tokenizer, counting, "alternating", [tokenizer.eos_token]).check()
     PromptBuilder(tokenizer, counting, "history", [tokenizer.eos_token]).check()  # one instruction: no answers to find
+
+
+def test_a_conversation_that_opens_with_an_assistant_message_is_read_as_training_reads_it(
+    full_prefill, serving_tokenizer, serving_template
+):
+    """BituneSFTTrainer trains conversations with TRL's assistant mask (`assistant_only_loss=True`, a template with
+    `{% generation %}` markers): a leading assistant message is an answer, after the template's first tokens (BOS,
+    the assistant's header), which are its instruction. The miniature's template without markers reads it the same
+    way (it was folded into the first instruction), so both give one answer: greedy decoding with the training forward
+    on that layout."""
+    tokenizer, eos = serving_tokenizer, [serving_tokenizer.eos_token]
+    messages = [assistant("Answer: 5"), user("Ask: Who is the youngest?")]
+    plain = PromptBuilder(tokenizer, serving_template, "alternating", eos).build(messages)
+    marked = PromptBuilder(tokenizer, MARKED_TEMPLATE, "alternating", eos).build(messages)
+    trl = tokenizer.apply_chat_template(messages, chat_template=MARKED_TEMPLATE, add_generation_prompt=True,
+                                        tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert plain == marked and plain.answer_mask() == [bool(m) for m in trl["assistant_masks"]]
+    answers = [tokenizer.decode(plain.token_ids[start:end]) for start, end, is_answer in plain.segments() if is_answer]
+    assert answers == ["Answer: 5</s>"] and plain.answer_mask()[0] is False
+    empty = [assistant(""), *messages[1:]]  # an empty leading answer is its EOS token, with markers as without
+    assert PromptBuilder(tokenizer, serving_template, "alternating", eos).build(empty) == PromptBuilder(
+        tokenizer, MARKED_TEMPLATE, "alternating", eos).build(empty)
+    by_forward = greedy_by_the_training_forward(full_prefill.engine.model, plain, MAX_TOKENS, {tokenizer.eos_token_id})
+    marked_engine = FullPrefill(full_prefill.engine.model, tokenizer, MARKED_TEMPLATE)
+    assert full_prefill.result(messages).answer_ids == marked_engine.result(messages).answer_ids == by_forward
+
+
+def test_an_assistant_message_with_nothing_before_it_to_read_is_refused(full_prefill, serving_tokenizer):
+    """Training refuses a row that starts with an answer token (there is no instruction to read twice before it); a
+    template that writes a leading assistant message first, or without the generation prompt before it, is refused
+    with a 400 that says to start with a system or user message, with and without markers."""
+    tokenizer, eos = serving_tokenizer, [serving_tokenizer.eos_token]
+    bare = ("{% for message in messages %}{% if message['role'] == 'assistant' %}"
+            "{% if not loop.first %}<|assistant|>\n{% endif %}GEN{{ message['content'] }}{{ eos_token }}END{% else %}"
+            "<|{{ message['role'] }}|>\n{{ message['content'] }}{% endif %}\n"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    opening = [assistant("Answer: 5"), user("Ask: Who?")]
+    plain = bare.replace("GEN", "").replace("END", "")
+    marked = bare.replace("GEN", "{% generation %}").replace("END", "{% endgeneration %}")
+    for template in (plain, marked):
+        builder = PromptBuilder(tokenizer, template, "alternating", eos)
+        builder.check()  # a conversation that opens with a user message is laid out
+        with pytest.raises(PromptLayoutError, match="Start the conversation with a system or user message"):
+            builder.build(opening)
+    requests = ChatCompletions(ChatEngine(full_prefill.engine.model, tokenizer, plain, 0), NAME)
+    with pytest.raises(OpenAIError, match="Start the conversation with a system or user message") as refused:
+        requests.chat_request({"model": NAME, "messages": opening, "max_tokens": 2})
+    assert refused.value.status == 400 and refused.value.param == "messages"
 
 
 def fake_kept(token_ids: list[int], segment_ends: tuple[int, ...], partition=None) -> KeptConversation:

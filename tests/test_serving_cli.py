@@ -103,10 +103,44 @@ def test_the_command_serves_the_adapter_behind_its_api_key(serving_adapter):
         process.wait(timeout=30)
 
 
-def test_batch_limits_below_one_are_refused_before_any_work(capsys):
-    required = ["--model", BASE, "--adapter", "x"]
-    assert cli.parse_args(required).max_batch_size == 8  # the measured default (docs/serving.md)
+def parse_refusal(arguments: list[str]) -> str:
+    """The one line `bitune-serve` exits with while reading its flags (before anything is loaded)."""
+    with pytest.raises(SystemExit) as error:
+        cli.parse_args(["--model", BASE, "--adapter", "x", *arguments])
+    message = str(error.value.code)
+    assert message.startswith("bitune-serve: ") and "\n" not in message, message
+    return message
+
+
+def test_batch_limits_below_one_are_refused_before_any_work():
+    assert cli.parse_args(["--model", BASE, "--adapter", "x"]).max_batch_size == 8  # the measured default
     for flag in ("--max-batch-size", "--max-batch-tokens"):
-        with pytest.raises(SystemExit):
-            cli.parse_args([*required, flag, "0"])
-        assert f"{flag} must be at least 1, got 0." in capsys.readouterr().err
+        assert f"{flag} must be at least 1, got 0." in parse_refusal([flag, "0"])
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e999", "1e308"])
+def test_a_cache_budget_that_is_not_a_finite_number_of_bytes_is_refused_in_one_line(value):
+    assert "--cache-memory-mb" in parse_refusal([f"--cache-memory-mb={value}"])
+
+
+@pytest.mark.parametrize("flag", ["--port", "--max-request-bytes", "--max-batch-size", "--max-batch-tokens"])
+def test_integer_flags_beyond_64_bits_are_refused_in_one_line(flag):
+    assert f"{flag} must fit in 64 bits" in parse_refusal([flag, str(2**64)])
+
+
+@pytest.mark.parametrize("key", ["clé", "tab\tkey", " padded", "日本"])
+def test_an_api_key_that_is_not_printable_ascii_is_refused_at_startup(key, monkeypatch):
+    assert "--api-key" in parse_refusal(["--api-key", key])
+    monkeypatch.setenv(cli.API_KEY_VARIABLE, key)
+    assert cli.API_KEY_VARIABLE in parse_refusal([])
+    assert cli.parse_args(["--model", BASE, "--adapter", "x", "--api-key", "sk-Abc_123~!"]).api_key == ["sk-Abc_123~!"]
+
+
+def test_a_reduced_precision_server_that_batches_says_that_batching_may_change_answers():
+    """docs/serving.md, "Precision": exact in float32 or one request at a time; in bfloat16 and float16 the server
+    says at startup that a batched answer can differ, and how to make it exact."""
+    for dtype in ("bfloat16", "float16"):
+        note = cli.precision_note(dtype, 8)
+        assert note.startswith("bitune-serve: note: ") and dtype in note and "--dtype float32" in note
+        assert "\n" not in note and cli.precision_note(dtype, 1) is None
+    assert cli.precision_note("float32", 8) is None

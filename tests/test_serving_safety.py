@@ -180,6 +180,10 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(guarded):
         (json.dumps({**GOOD, "model": "gpt-4o"}).encode(), 404),
         (json.dumps({**GOOD, "messages": []}).encode(), 400),
         (json.dumps({**GOOD, "n": 2}).encode(), 400),
+        (json.dumps({**GOOD, "n": 1.0}).encode(), 400),  # OpenAI's types strictly: an integer, not a float ...
+        (json.dumps({**GOOD, "n": True}).encode(), 400),
+        (json.dumps({**GOOD, "stream": 1}).encode(), 400),  # ... and a boolean, not a number or a string
+        (json.dumps({**GOOD, "stream": "true"}).encode(), 400),
         (json.dumps({**GOOD, "tools": [{"type": "function"}]}).encode(), 400),
         (json.dumps({**GOOD, "temperature": 3}).encode(), 400),
         (json.dumps({**GOOD, "max_tokens": 0}).encode(), 400),

@@ -168,3 +168,21 @@ def test_cli_parser_offers_trl_and_bitune_flags():
     assert "use_peft" not in help_text  # always on
     # The LoRA defaults are Bitune's, and the help says how they differ from `trl sft`'s.
     assert " ".join(help_text.split()).count("`trl sft` uses") == 4
+
+
+@pytest.mark.parametrize("flags", [
+    ["--learning_rate", "nan"], ["--num_train_epochs", "inf"], ["--max_grad_norm", "1e999"], ["--mix_init", "nan"],
+    ["--seed", str(2**64)], ["--lora_r", str(2**70)],
+])
+def test_bitune_sft_refuses_numbers_that_parse_but_cannot_be_used_in_one_line(flags, monkeypatch):
+    """nan, inf and integers beyond 64 bits parse (Python's float and int), then trained on nan or failed later with
+    a traceback; both the launcher and the training script refuse them first, naming the flag."""
+    import accelerate.commands.launch
+
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", lambda args: pytest.fail("launched"))
+    arguments = ["--output_dir", "unused", "--model_name_or_path", "unused", "--use_cpu", "--bf16", "false", *flags]
+    for command in (cli_main, cli_train):
+        with pytest.raises(SystemExit) as error:
+            command(arguments)
+        message = str(error.value.code)
+        assert message.startswith(f"bitune-sft: `{flags[0]}` must ") and "\n" not in message, message

@@ -34,6 +34,7 @@ from peft import PeftConfig
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
 from peft_bitune import BituneConfig
+from peft_bitune.flag_numbers import number_problem
 
 from .config import BituneSFTConfig
 
@@ -125,9 +126,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    *_, config_remaining, cli_remaining = make_parser().parse_args_and_config(
+    *configs, config_remaining, cli_remaining = make_parser().parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True
     )
+    refuse_unusable_numbers(configs)
     launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
     training_script_args = _without_subsequence(argv, cli_remaining)
     launch_parser = launch_command_parser()
@@ -221,7 +223,18 @@ def train(argv: Sequence[str] | None = None) -> None:
     script_args, training_args, model_args, dataset_args, bitune_args = parser.parse_args_and_config(
         args=argv, fail_with_unknown_args=True
     )
+    refuse_unusable_numbers([script_args, training_args, model_args, dataset_args, bitune_args])
     run(script_args, training_args, model_args, dataset_args, bitune_args)
+
+
+def refuse_unusable_numbers(configs: Sequence[Any]) -> None:
+    """Refuse, with one line and before anything is launched or loaded, a numeric flag (or `--config` value) that
+    parsed but cannot be used: nan, inf (also a float that overflowed, e.g. 1e999) or an integer beyond 64 bits. The
+    parser takes them all (Python's `float` and `int`), and each failed later, or trained on nan."""
+    for config in configs:
+        for config_field in dataclasses.fields(config):
+            if problem := number_problem(getattr(config, config_field.name, None)):
+                raise SystemExit(f"bitune-sft: `--{config_field.name}` {problem}.")
 
 
 def _without_subsequence(items: list[str], subsequence: list[str]) -> list[str]:

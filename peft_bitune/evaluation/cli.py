@@ -20,17 +20,20 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from ..flag_numbers import INT64_RANGE
 from . import TASKS_DIR, wheel_data
 
 logger = logging.getLogger(__name__)
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the harness's command line (`lm_eval`) on `argv` (default: this process's arguments)."""
+    refuse_unusable_numbers(list(sys.argv[1:] if argv is None else argv))  # before anything is imported or loaded
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as error:
@@ -67,6 +70,50 @@ def take_data_source(arguments: list[str]) -> tuple[list[str], str | None]:
     return rest, source
 
 
+NUMPY_SEED_RANGE = (0, 2**32 - 1)  # the harness seeds numpy too, which takes no other seed
+
+
+def refuse_unusable_numbers(arguments: list[str]) -> None:
+    """
+    Refuse, with one line and before anything is loaded, the harness's numeric flags that it would accept and then
+    fail on with a traceback (after loading the model): `--limit` that is not a count of at least 1 or a fraction in
+    (0, 1) (0 ends in "did not find any docs", nan and inf in a conversion error, 2.5 is silently 2), `--num_fewshot`
+    below 0, `--batch_size` and `--max_batch_size` below 1, and `--seed` values numpy cannot take.
+    """
+    limit = _option(arguments, "--limit", "-L")
+    if limit is not None:
+        value = _number(limit, "--limit", float)
+        if not (math.isfinite(value) and (0 < value < 1 or (value >= 1 and value.is_integer()))):
+            raise SystemExit(f"bitune-eval: `--limit` must be a count of examples per task (a whole number, at least "
+                             f"1) or a fraction of them (between 0 and 1, exclusive), got {limit!r}.")
+    for name, aliases, low in (("--num_fewshot", ("-f",), 0), ("--max_batch_size", (), 1)):
+        text = _option(arguments, name, *aliases)
+        if text is not None and not low <= _number(text, name, int) <= INT64_RANGE[1]:
+            raise SystemExit(f"bitune-eval: `{name}` must be an integer from {low} to 2^63 - 1, got {text!r}.")
+    batch_size = _option(arguments, "--batch_size", "-b")
+    if batch_size is not None:
+        count = batch_size.partition(":")[2] if batch_size.startswith("auto") else batch_size
+        if batch_size != "auto" and not (count.isdigit() and 1 <= int(count) <= INT64_RANGE[1]):
+            raise SystemExit(f"bitune-eval: `--batch_size` must be 'auto', 'auto:N' or an integer, N and the integer "
+                             f"at least 1, got {batch_size!r}.")
+    seed = _option(arguments, "--seed")
+    if seed is not None:
+        for item in seed.split(","):
+            item = item.strip()
+            if item.lower() != "none" and not (item.isdigit() and NUMPY_SEED_RANGE[0] <= int(item) <=
+                                               NUMPY_SEED_RANGE[1]):
+                raise SystemExit(f"bitune-eval: each `--seed` value must be None or an integer from 0 to 2^32 - 1 "
+                                 f"(numpy is seeded with it), got {item!r}.")
+
+
+def _number(text: str, name: str, kind: type) -> float | int:
+    try:
+        return kind(text)
+    except ValueError:
+        raise SystemExit(f"bitune-eval: `{name}` must be {'an integer' if kind is int else 'a number'}, got "
+                         f"{text!r}.") from None
+
+
 # The harness's names of its transformers model, which runs one ordinary causal forward per request.
 _HF_MODEL_NAMES = ("hf", "hf-auto", "huggingface")
 
@@ -89,14 +136,16 @@ def refuse_hf_model_on_a_bitune_adapter(arguments: list[str]) -> None:
         )
 
 
-def _option(arguments: list[str], name: str) -> str | None:
-    """The value of `name VALUE` or `name=VALUE` in `arguments` (the last one given), or `None`."""
+def _option(arguments: list[str], name: str, *aliases: str) -> str | None:
+    """The value of `name VALUE` or `name=VALUE` (or of an alias, e.g. `-L`) in `arguments` (the last one given), or
+    `None`."""
     value = None
     for index, argument in enumerate(arguments):
-        if argument == name and index + 1 < len(arguments):
-            value = arguments[index + 1]
-        elif argument.startswith(f"{name}="):
-            value = argument.partition("=")[2]
+        for flag in (name, *aliases):
+            if argument == flag and index + 1 < len(arguments):
+                value = arguments[index + 1]
+            elif argument.startswith(f"{flag}="):
+                value = argument.partition("=")[2]
     return value
 
 

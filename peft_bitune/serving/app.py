@@ -4,9 +4,10 @@ Requests are checked here (`validation.py`) and answered with OpenAI's own respo
 `ChatCompletion`, and `ChatCompletionChunk` as server-sent events when streaming) or OpenAI's JSON error objects. The
 server guards itself (`ServerSettings`, as vLLM's server does and a little more): API keys on every `/v1` call, JSON
 bodies only and of bounded size (so that no web page a user visits can drive it with a plain form post), no CORS
-headers and no `/docs` unless asked for. Rendering and tokenizing run on a thread of their own, and the model on the
-engine's worker thread (`engine.py`, which answers waiting requests in batches), so the event loop stays free for
-other clients (and `/health`) while a long request is prepared or answered.
+headers and no `/docs` unless asked for. Rendering and tokenizing run on threads of their own (several, so that one
+request's preparation never holds back another's), and the model on the engine's worker thread (`engine.py`, which
+answers waiting requests in batches), so the event loop stays free for other clients (and `/health`) while a long
+request is prepared or answered.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .validation import (
     OpenAIError,
     check_fields,
     check_messages,
+    check_n_and_stream,
     check_stop,
     optional_number,
     optional_string,
@@ -50,6 +52,7 @@ from .validation import (
 )
 
 _WORK_DONE = object()  # queued after the worker finished a streaming request, whatever happened
+PREPARATION_THREADS = 4  # requests checked, rendered and tokenized at once
 
 
 class ChatCompletions:
@@ -59,8 +62,9 @@ class ChatCompletions:
         self.engine = engine
         self.model_name = model_name
         self.cancelled_streams = 0  # streams whose client left before the answer was complete
-        # Requests are rendered and tokenized here, one at a time, never on the event loop.
-        self._preparing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitune-prepare")
+        # Requests are checked, rendered and tokenized here, never on the event loop, and on several threads, so that
+        # one request's preparation never holds back another's.
+        self._preparing = ThreadPoolExecutor(max_workers=PREPARATION_THREADS, thread_name_prefix="bitune-prepare")
 
     async def handle_request(
         self, body: dict, request_id: str, api_key: int | None = None
@@ -94,10 +98,7 @@ class ChatCompletions:
                 404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.", "model",
                 "model_not_found",
             )
-        if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
-            raise OpenAIError(400, f"`n` must be 1 (one answer per request), got {body['n']!r}.", "n")
-        if body.get("stream") not in (None, True, False):
-            raise OpenAIError(400, f"`stream` must be true or false, got {body['stream']!r}.", "stream")
+        check_n_and_stream(body)
         messages = check_messages(body.get("messages"))
         max_completion_tokens = optional_number(body, "max_completion_tokens", int, 1)
         max_tokens = optional_number(body, "max_tokens", int, 1)
@@ -110,30 +111,41 @@ class ChatCompletions:
         seed = optional_number(body, "seed", int, *SEED_RANGE)
         stop = check_stop(body.get("stop"))
         partition = (api_key, optional_string(body, "user"), optional_string(body, "prompt_cache_key"))
+        texts = text_messages(messages)
+        fewest = self.engine.fewest_tokens(texts)  # before any rendering: cheap, and linear in the request
+        if not self.engine.room_for(fewest, max_tokens):
+            raise self._too_long(f"at least {fewest} tokens ({len(texts)} messages of {self._characters(texts)} "
+                                 "characters)", max_tokens)
         try:
-            prompt = self.engine.prompts.build(text_messages(messages))
+            prompt = self.engine.prompts.build(texts)
         except TemplateError as error:
             raise OpenAIError(400, f"The chat template refused the messages: {error}", "messages") from error
         except PromptLayoutError as error:
             raise OpenAIError(400, str(error), "messages") from error
         if not self.engine.room_for(len(prompt), max_tokens):
-            raise OpenAIError(
-                400,
-                f"This model's maximum context length is {self.engine.max_positions} tokens; the messages take "
-                f"{len(prompt)} tokens and {max_tokens or 1} more are asked for. Shorten the conversation or "
-                "lower `max_tokens` (nothing is truncated silently).",
-                "messages", "context_length_exceeded",
-            )
+            raise self._too_long(f"{len(prompt)} tokens", max_tokens)
         # Seeded on the worker, right before this request runs: seeding here would reseed whatever runs meanwhile.
-        generation_config = self._generation_config(temperature, top_p, stop)
+        generation_config = self._generation_config(temperature, top_p)
         return ChatRequest(prompt, generation_config, max_tokens, stop, seed, partition)
 
-    def _generation_config(self, temperature: float | None, top_p: float | None, stop: list[str]) -> Any:
+    def _too_long(self, taken: str, max_tokens: int | None) -> OpenAIError:
+        return OpenAIError(
+            400,
+            f"This model's maximum context length is {self.engine.max_positions} tokens; the messages take {taken} "
+            f"and {max_tokens or 1} more are asked for. Shorten the conversation or lower `max_tokens` (nothing is "
+            "truncated silently).",
+            "messages", "context_length_exceeded",
+        )
+
+    @staticmethod
+    def _characters(texts: list[dict]) -> int:
+        return sum(len(message["content"]) for message in texts)
+
+    def _generation_config(self, temperature: float | None, top_p: float | None) -> Any:
         """The model's generation config with the request's settings: greedy at temperature 0, sampling at any
         other temperature or `top_p` (as OpenAI does), the model's own choice when neither is given."""
         generation_config = copy.deepcopy(self.engine.model.generation_config)
-        if stop:
-            generation_config.stop_strings = stop
+        generation_config.stop_strings = None  # the request's own, in `ChatRequest.stop` (`streaming.StopStrings`)
         if temperature == 0.0:
             generation_config.do_sample = False
             generation_config.temperature = generation_config.top_p = None  # greedy: no sampling settings to warn of

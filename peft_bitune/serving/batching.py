@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from transformers import StoppingCriteria
 
 from ..caches import BituneCache, append_key_values
+from .streaming import StopStrings
 
 
 def stack_left_padded(caches: Sequence[BituneCache], model: Any) -> BituneCache:
@@ -75,7 +76,7 @@ class RowStops(StoppingCriteria):
         prompt_width (`int`): the columns of the padded prompts.
         max_new_tokens (`list[int]`): per row, the most tokens it may generate.
         eos_ids (`set[int]`): the end-of-sequence token ids.
-        stop_criteria (`list`): per row, a `StopStringCriteria` of its stop strings, or None.
+        stop_criteria (`list`): per row, a `streaming.StopStrings` of its stop strings, or None.
         cancelled (`list`): per row, a `threading.Event` set when its client left, or None.
         on_end (`Callable[[int, torch.Tensor], None]`, *optional*): called with a row and the sequences so far once
             that row has ended (the batch's cache then holds the row's columns up to its last token but one).
@@ -86,7 +87,7 @@ class RowStops(StoppingCriteria):
         prompt_width: int,
         max_new_tokens: list[int],
         eos_ids: set[int],
-        stop_criteria: list[StoppingCriteria | None],
+        stop_criteria: list[StopStrings | None],
         cancelled: list[threading.Event | None],
         on_end: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
@@ -102,16 +103,15 @@ class RowStops(StoppingCriteria):
         generated = input_ids.shape[1] - self.prompt_width
         last = input_ids[:, -1].tolist()
         for row, length in enumerate(self.lengths):
-            if length is None and self._ends(row, generated, last[row], input_ids, scores):
+            if length is None and self._ends(row, generated, last[row]):
                 self.lengths[row] = generated
                 if self.on_end is not None:
                     self.on_end(row, input_ids)
         return torch.tensor([length is not None for length in self.lengths], device=input_ids.device)
 
-    def _ends(self, row: int, generated: int, last: int, input_ids: torch.Tensor, scores: torch.Tensor) -> bool:
+    def _ends(self, row: int, generated: int, last: int) -> bool:
         cancelled, stop = self.cancelled[row], self.stop_criteria[row]
         if generated >= self.max_new_tokens[row] or last in self.eos_ids or (cancelled is not None and
                                                                              cancelled.is_set()):
             return True
-        row_scores = None if scores is None else scores[row : row + 1]
-        return stop is not None and bool(stop(input_ids[row : row + 1], row_scores)[0])
+        return stop is not None and stop.add(last)  # called once per token of a running row: `last` is new

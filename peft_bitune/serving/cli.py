@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import socket
 import sys
@@ -22,12 +23,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..common import is_bitune_type, peft_type_name
+from ..flag_numbers import number_problem
 from .settings import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_REQUEST_BYTES,
     BatchLimits,
     ServerSettings,
+    api_key_problem,
 )
 
 DEFAULT_CACHE_MEMORY_MB = 1024
@@ -71,23 +74,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="Model dtype ('auto': as saved).")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level.")
     args = parser.parse_args(argv)
-    if not 0 <= args.port <= 65535:
-        parser.error(f"--port must be between 0 and 65535, got {args.port}.")
-    if args.cache_memory_mb < 0:
-        parser.error(f"--cache-memory-mb must be 0 or more, got {args.cache_memory_mb}.")
-    if args.max_request_bytes < 1:
-        parser.error(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}.")
-    if args.max_batch_size < 1:
-        parser.error(f"--max-batch-size must be at least 1, got {args.max_batch_size}.")
-    if args.max_batch_tokens < 1:
-        parser.error(f"--max-batch-tokens must be at least 1, got {args.max_batch_tokens}.")
+    check_numbers(args)
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         parser.error(f"--chat-template {args.chat_template!r} is not a file.")
     if args.api_key is None:
         args.api_key = [os.environ[API_KEY_VARIABLE]] if os.environ.get(API_KEY_VARIABLE) else []
-    if any(not key.strip() for key in args.api_key):
-        parser.error("--api-key cannot be empty.")
+    for key in args.api_key:
+        if problem := api_key_problem(key):
+            raise fail(f"--api-key (or {API_KEY_VARIABLE}): {problem}")
     return args
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Refuse a numeric flag that parsed but cannot be used (nan, inf, an overflow) or is out of its range, with one
+    line."""
+    for flag in ("port", "max_request_bytes", "cache_memory_mb", "max_batch_size", "max_batch_tokens"):
+        if problem := number_problem(getattr(args, flag)):
+            raise fail(f"--{flag.replace('_', '-')} {problem}.")
+    if not 0 <= args.port <= 65535:
+        raise fail(f"--port must be between 0 and 65535, got {args.port}.")
+    if args.cache_memory_mb < 0 or not math.isfinite(args.cache_memory_mb * 2**20):
+        raise fail(f"--cache-memory-mb must be 0 or more (and a number of megabytes a float can hold in bytes), got "
+                   f"{args.cache_memory_mb}.")
+    for flag in ("max_request_bytes", "max_batch_size", "max_batch_tokens"):
+        if getattr(args, flag) < 1:
+            raise fail(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}.")
 
 
 def fail(message: str) -> SystemExit:
@@ -196,6 +207,17 @@ def bind_or_fail(host: str, port: int) -> socket.socket:
                    "pick another with --port (0 picks a free one).") from None
 
 
+def precision_note(dtype: str, max_batch_size: int) -> str | None:
+    """The startup note of a server whose batches may change greedy answers: in bfloat16 and float16 a padded batch
+    sums in another order than a request alone, and a near-tie between two tokens can flip (docs/serving.md,
+    "Precision"). None where every answer is the same alone and in a batch (float32, or one request at a time)."""
+    if dtype not in ("bfloat16", "float16") or max_batch_size == 1:
+        return None
+    return (f"bitune-serve: note: in {dtype}, a greedy answer in a batch can differ from the same request answered "
+            "alone (a padded batch sums in another order; docs/serving.md gives the measured rate). --dtype float32, "
+            "or --max-batch-size 1, answers every request exactly as alone.")
+
+
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -217,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except BaseException:
         sock.close()
         raise
+    if note := precision_note(str(engine.model.dtype).removeprefix("torch."), args.max_batch_size):
+        print(note, file=sys.stderr, flush=True)
     if not args.api_key and not is_loopback(args.host):
         print(f"bitune-serve: warning: listening on {args.host} without --api-key: anyone who can reach this port can "
               "use the model. Set --api-key (or BITUNE_SERVE_API_KEY).", file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import StoppingCriteriaList, StopStringCriteria
+from transformers import StoppingCriteriaList
 
 from .. import compat
 from ..caches import BituneCache
@@ -34,7 +34,7 @@ from .batching import RowStops, row_cache, stack_left_padded
 from .conversations import ConversationStore, KeptConversation
 from .prompts import Prompt, PromptBuilder, PromptLayoutError
 from .settings import BatchLimits
-from .streaming import RowStreams, cut_at_stop
+from .streaming import RowStreams, StopStrings, cut_at_stop
 from .worker import ModelWorker
 
 
@@ -137,11 +137,22 @@ class ChatEngine:
             raise ValueError(f"The chat template cannot be used: {type(error).__name__}: {error}") from error
         self.store = ConversationStore(cache_budget_bytes)
         self.max_positions = max_positions(model)
+        self.chars_per_token = max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
         self.limits = limits or BatchLimits()
         # Sliding-window layers count their window in cache columns and keep only its last ones: such caches cannot
         # be padded together, so those models answer one request at a time.
         self.batchable = not any(BituneCache(config=model.config).is_sliding)
         self.worker = ModelWorker()
+
+    def fewest_tokens(self, messages: list[dict]) -> int:
+        """
+        The fewest tokens `messages` can take once rendered, known without rendering them (so that a conversation
+        that cannot fit is refused before any rendering, in time linear in the request): a template writes at least
+        one token per message and every message's text, and one token holds at most `chars_per_token` characters
+        (the longest token of the vocabulary).
+        """
+        characters = sum(len(message["content"]) for message in messages)
+        return max(len(messages), -(-characters // self.chars_per_token))
 
     def room_for(self, prompt_tokens: int, max_tokens: int | None) -> bool:
         """Whether a prompt of this many tokens and its answer fit in the model's positions."""
@@ -296,8 +307,8 @@ class ChatEngine:
         finished = hit_stop or ended_by_eos or generated < stops.max_new_tokens[row]
         return ChatResult(content, answer_ids, "stop" if finished else "length", len(prompt), read.cached_tokens)
 
-    def _stop_criteria(self, stop: list[str]) -> StopStringCriteria | None:
-        return StopStringCriteria(self.tokenizer, stop) if stop else None
+    def _stop_criteria(self, stop: list[str]) -> StopStrings | None:
+        return StopStrings(self.tokenizer, stop) if stop else None
 
     def read(self, prompt: Prompt, cache: BituneCache | None = None, cached: int = 0) -> BituneCache:
         """

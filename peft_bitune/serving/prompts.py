@@ -143,30 +143,87 @@ class PromptBuilder:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _answer_spans(self, messages: list[dict], text: str) -> list[tuple[int, int]]:
-        """The character span of each answer in `text`, found by rendering the conversation up to it."""
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant" or i == 0:  # an answer before any instruction is read as instruction
-                continue
-            before = self.render(messages[:i])
-            through = self.render(messages[: i + 1], add_generation_prompt=False)
-            if not (through.startswith(before) and text.startswith(through)):
-                raise PromptLayoutError(
-                    f"The chat template renders messages[{i}] (an assistant answer) differently depending on what "
-                    "follows it, so the server cannot tell where the answer is. Mark the assistant's part of the "
-                    "template with {% generation %} ... {% endgeneration %} (as TRL's assistant_only_loss needs)."
-                )
-            written = through[len(before) :]
-            end = self._content_end(written, message["content"])
-            if end is None:
-                raise PromptLayoutError(
-                    f"The chat template does not write the content of messages[{i}] (an assistant answer) as given, "
-                    "so the server cannot tell where the answer is. Mark the assistant's part of the template with "
-                    "{% generation %} ... {% endgeneration %} (as TRL's assistant_only_loss needs)."
-                )
-            if end > 0:
-                spans.append((len(before), len(before) + end))
+        """
+        The character span of each answer in `text` (the whole conversation, rendered once), in time linear in the
+        conversation: each message is rendered in a window of a few messages (`_window`), and the pieces must tile
+        `text` exactly, or the template's rendering of a message depends on more than its window and the request is
+        refused (`PromptLayoutError`, which asks for `{% generation %}` markers).
+
+        An answer is what the assistant's message adds after the generation prompt, through its content and the
+        end-of-sequence token if the template writes one right after (`_content_end`). An assistant message that
+        opens the conversation is an answer too (as TRL's assistant mask and the training forward read it), starting
+        where the template writes its content, if the generation prompt is written right before it.
+        """
+        rendered: dict[tuple[tuple[int, ...], bool], str] = {}
+
+        def render(indices: tuple[int, ...], add_generation_prompt: bool) -> str:
+            key = (indices, add_generation_prompt)
+            if key not in rendered:
+                rendered[key] = self.render([messages[i] for i in indices], add_generation_prompt)
+            return rendered[key]
+
+        spans, cursor = [], 0  # `cursor`: where the next message's rendering starts in `text`
+        for k, message in enumerate(messages):
+            before, through = _window(k, len(messages))
+            earlier = render(before, False) if before else ""
+            written = render(through, False)
+            if k == 0:
+                piece_start = 0  # the first message's rendering includes what the template writes first (e.g. BOS)
+            elif not written.startswith(earlier):
+                raise self._hidden(k)
+            else:
+                piece_start = len(earlier)
+            piece = written[piece_start:]
+            if not text.startswith(piece, cursor):
+                raise self._hidden(k)
+            if message["role"] == "assistant":
+                start = self._answer_start(message, written, earlier, before, render, k)
+                end = self._content_end(written[start:], message["content"])
+                if end is None:
+                    raise PromptLayoutError(
+                        f"The chat template does not write the content of messages[{k}] (an assistant answer) as "
+                        "given, so the server cannot tell where the answer is. " + _MARKERS_HINT
+                    )
+                if end > 0:
+                    spans.append((cursor - piece_start + start, cursor - piece_start + start + end))
+            cursor += len(piece)
+        before, _ = _window(len(messages), len(messages))
+        generation_prompt = render(before, True)[len(render(before, False)) :]
+        if text[cursor:] != generation_prompt:
+            raise self._hidden(len(messages))
         return spans
+
+    def _answer_start(self, message: dict, written: str, earlier: str, before: tuple[int, ...], render: Any,
+                      k: int) -> int:
+        """Where the answer of assistant message `k` starts in `written` (its window's rendering through it): after
+        the generation prompt that the window before it ends with; for a first message, where its content is
+        written, if the generation prompt is written right before it."""
+        if before:
+            prompted = render(before, True)
+            if not (prompted.startswith(earlier) and written.startswith(prompted)):
+                raise self._hidden(k)
+            return len(prompted)
+        generation_prompt = self.generation_prompt()
+        prompted_at = written.find(generation_prompt + message["content"])
+        if prompted_at < 0:
+            raise PromptLayoutError(
+                "The conversation opens with an assistant message, and the chat template does not write the "
+                f"generation prompt ({generation_prompt!r}) right before its content, so the server cannot tell where "
+                "that answer starts as training would read it. Start the conversation with a system or user message, "
+                "or " + _MARKERS_HINT[0].lower() + _MARKERS_HINT[1:]
+            )
+        return prompted_at + len(generation_prompt)
+
+    def generation_prompt(self) -> str:
+        """What the template writes to prompt an answer (after the probe conversation)."""
+        return self.render(PROBE_CONVERSATION, True)[len(self.render(PROBE_CONVERSATION, False)) :]
+
+    def _hidden(self, k: int) -> PromptLayoutError:
+        return PromptLayoutError(
+            f"The chat template renders messages[{k}] differently depending on the messages around it (not only the "
+            f"first {WINDOW_ANCHOR} and the message itself), so the server cannot tell where the answers are without "
+            "rendering the conversation once per answer. " + _MARKERS_HINT
+        )
 
     def _content_end(self, written: str, content: str) -> int | None:
         """Where the answer ends in the assistant's rendered message: after its content (the last place it is
@@ -185,6 +242,26 @@ class PromptBuilder:
         return places[-1] + len(content)
 
 
+# How the answers are found without markers: every message is rendered after the first `WINDOW_ANCHOR` messages (a
+# system message and the first turn, which templates often write specially) and at most one message before it, so
+# that a window keeps the parity of the message's position (templates that check roles alternate count on it).
+WINDOW_ANCHOR = 2
+_MARKERS_HINT = (
+    "Mark the assistant's part of the template with {% generation %} ... {% endgeneration %} (as TRL's "
+    "assistant_only_loss needs)."
+)
+
+
+def _window(k: int, count: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The messages rendered before message `k` and through it (indices): the whole prefix for the first
+    `WINDOW_ANCHOR` messages, then the anchor and the messages from an index of the same parity as the anchor's end."""
+    if k <= WINDOW_ANCHOR:
+        return tuple(range(k)), tuple(range(min(k + 1, count)))
+    first = k - (k - WINDOW_ANCHOR) % 2
+    anchor = tuple(range(WINDOW_ANCHOR))
+    return anchor + tuple(range(first, k)), anchor + tuple(range(first, min(k + 1, count)))
+
+
 def _overlapping(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
     """True on every token that overlaps a span (transformers' rule for `return_assistant_tokens_mask`)."""
     mask, span = [], 0
@@ -196,9 +273,13 @@ def _overlapping(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -
 
 
 def _from_answer_mask(token_ids: list[int], is_answer: list[bool]) -> Prompt:
-    """Segments from a per-token answer mask. Answer tokens before the first instruction token (nothing before them
-    to read twice) are read as instruction, so that the segments start with an instruction as in training."""
-    first_instruction = next((i for i, answer in enumerate(is_answer) if not answer), len(is_answer))
-    mask = [False] * first_instruction + is_answer[first_instruction:]
-    ends = [i for i in range(1, len(mask)) if mask[i] != mask[i - 1]]
+    """Segments from a per-token answer mask. A conversation whose first token is an answer token is refused, as
+    training refuses such a row: Bitune reads an instruction before every answer."""
+    if is_answer and is_answer[0]:
+        raise PromptLayoutError(
+            "The conversation opens with an assistant answer that the chat template writes before any other token, "
+            "so there is no instruction before it to read twice (training refuses such a row). Start the "
+            "conversation with a system or user message."
+        )
+    ends = [i for i in range(1, len(is_answer)) if is_answer[i] != is_answer[i - 1]]
     return Prompt(token_ids, (*ends, len(token_ids)))

@@ -9,6 +9,22 @@ from dataclasses import dataclass
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
 
+def api_key_problem(key: str) -> str | None:
+    """Why `key` cannot be an API key, or None. A key must be printable ASCII without surrounding spaces: HTTP clients
+    send header values as bytes (curl as UTF-8, others as Latin-1), so a key with other characters matches for some
+    clients and not others, and spaces around it are stripped from the header."""
+    if not key:
+        return "An API key cannot be empty."
+    if not (key.isascii() and key.isprintable()):
+        bad = next(c for c in key if not (c.isascii() and c.isprintable()))
+        return (f"An API key must be printable ASCII (letters, digits, punctuation): {bad!r} is not, and clients send "
+                "other characters in different byte encodings (curl as UTF-8, others as Latin-1), so the key would "
+                "match for some clients only. Choose a key of printable ASCII characters.")
+    if key != key.strip():
+        return "An API key cannot start or end with a space (HTTP strips them from the header)."
+    return None
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """
@@ -29,8 +45,9 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
-        if any(not key for key in self.api_keys):
-            raise ValueError("An API key cannot be empty.")
+        for key in self.api_keys:
+            if problem := api_key_problem(key):
+                raise ValueError(problem)
         if self.max_request_bytes < 1:
             raise ValueError(f"`max_request_bytes` must be at least 1, got {self.max_request_bytes}.")
 

@@ -5,7 +5,8 @@ stop strings.
 new tokens incrementally and hands each new piece of text to a callback. `RowStreams` is the streamer of a batch: it
 hands each row's tokens to that row's `TextStream` until the row has ended (`batching.RowStops`). `StopTextFilter`
 holds back text that may be the start of a stop string, so that a stream ends exactly where the whole answer is cut
-(`cut_at_stop`).
+(`cut_at_stop`), and `StopStrings` ends a row of a batch at its stop strings by the same rule. All three are linear in
+the text and the stop strings (Knuth-Morris-Pratt), and keep nothing beyond their request.
 """
 
 from __future__ import annotations
@@ -19,14 +20,38 @@ from transformers.generation.streamers import BaseStreamer
 REPLACEMENT_CHARACTER = "\ufffd"
 
 
-class TextStream(BaseStreamer):
+class IncrementalDecoder:
     """
-    Decodes the tokens `generate` produces into text, incrementally, and calls `on_text` with each new piece.
-
-    The first `put` holds the prompt and is skipped. Each piece is the decoding of a small window of the latest tokens
-    minus the decoding of that window without the newest ones (the incremental detokenization of vLLM and TGI): a
+    Decodes token ids into text as they come: each new piece is the decoding of a small window of the latest tokens
+    minus the decoding of that window without the newest ones (the incremental detokenization of vLLM and TGI). A
     token that completes a character only with the next one (a byte of UTF-8, a word piece) waits for it, and the
     decoding costs the same at every token however long the answer grows.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self._prefix_start = 0  # the window starts here ...
+        self._read_end = 0  # ... and its text up to here has been handed out
+
+    def add(self, token_ids: list[int]) -> str:
+        """The text the new tokens complete ("" while they complete nothing yet)."""
+        self.token_ids.extend(token_ids)
+        sent = self._decode(self.token_ids[self._prefix_start : self._read_end])
+        text = self._decode(self.token_ids[self._prefix_start :])
+        if len(text) > len(sent) and not text.endswith(REPLACEMENT_CHARACTER):
+            self._prefix_start, self._read_end = self._read_end, len(self.token_ids)
+            return text[len(sent) :]
+        return ""
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""
+
+
+class TextStream(BaseStreamer):
+    """
+    Decodes the tokens `generate` produces into text, incrementally (`IncrementalDecoder`), and calls `on_text` with
+    each new piece. The first `put` holds the prompt and is skipped.
 
     Args:
         tokenizer: the model's tokenizer (anything with `decode(ids, skip_special_tokens=...)`).
@@ -34,30 +59,24 @@ class TextStream(BaseStreamer):
     """
 
     def __init__(self, tokenizer: Any, on_text: Callable[[str], None]) -> None:
-        self.tokenizer = tokenizer
+        self.decoder = IncrementalDecoder(tokenizer)
         self.on_text = on_text
-        self.token_ids: list[int] = []
         self._prompt_skipped = False
-        self._prefix_start = 0  # the window starts here ...
-        self._read_end = 0  # ... and its text up to here has been sent
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.decoder.token_ids
 
     def put(self, value: torch.Tensor) -> None:
         if not self._prompt_skipped:
             self._prompt_skipped = True
             return
-        self.token_ids.extend(value.flatten().tolist())
-        sent = self._decode(self.token_ids[self._prefix_start : self._read_end])
-        text = self._decode(self.token_ids[self._prefix_start :])
-        if len(text) > len(sent) and not text.endswith(REPLACEMENT_CHARACTER):
-            self._prefix_start, self._read_end = self._read_end, len(self.token_ids)
-            self.on_text(text[len(sent) :])
+        if piece := self.decoder.add(value.flatten().tolist()):
+            self.on_text(piece)
 
     def end(self) -> None:
         """Nothing to flush: text still held back (an incomplete character) is in the whole answer's decoding,
         which the caller sends after the stream (see `app.py`)."""
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""
 
 
 class RowStreams(BaseStreamer):
@@ -86,33 +105,102 @@ class RowStreams(BaseStreamer):
 
 
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
-    """`text` up to the first stop string (OpenAI returns the answer without it), and whether one was found."""
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    return (text, False) if cut < 0 else (text[:cut], True)
+    """`text` up to the first stop string (OpenAI returns the answer without it), and whether one was found: the
+    earliest start of any stop string's first occurrence. Linear in the text and the stop strings."""
+    search = StopTextFilter(stop)
+    before = search.feed(text)
+    return (before, True) if search.stopped else (text, False)
+
+
+class _StopAutomaton:
+    """
+    Knuth-Morris-Pratt's matcher of one stop string over text fed a character at a time: `matched` is the length of
+    the longest end of the text so far that begins the stop string. Each character costs O(1) amortized (the failure
+    links never step back further than the characters fed), and building it O(len(stop)), so finding and holding back
+    stop strings is linear in the text and the stop strings, never in their product.
+    """
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.failure = [0] * len(stop)  # failure[i]: the longest proper border of stop[: i + 1]
+        border = 0
+        for i in range(1, len(stop)):
+            while border and stop[i] != stop[border]:
+                border = self.failure[border - 1]
+            if stop[i] == stop[border]:
+                border += 1
+            self.failure[i] = border
+        self.matched = 0
+
+    def advance(self, char: str) -> bool:
+        """Feed one character; True when it completes an occurrence of the stop string."""
+        matched, stop = self.matched, self.stop
+        while matched and stop[matched] != char:
+            matched = self.failure[matched - 1]
+        if stop[matched] == char:
+            matched += 1
+        if matched == len(stop):
+            self.matched = self.failure[matched - 1]
+            return True
+        self.matched = matched
+        return False
 
 
 class StopTextFilter:
-    """Streams text that cannot be the start of a stop string, so that a stream ends exactly where the whole answer
-    is cut (`cut_at_stop`): the tail that might begin a stop string is held back until it is decided."""
+    """
+    Streams text that cannot be the start of a stop string, so that a stream ends exactly where the whole answer is
+    cut (`cut_at_stop`): the tail that might begin a stop string (at most the longest stop string but one character)
+    is held back until it is decided. Each piece costs time linear in its length plus the held-back tail (one
+    `_StopAutomaton` per stop string), however long the stop strings are.
+    """
 
     def __init__(self, stop: list[str]) -> None:
-        self.stop = stop
+        self.automata = [_StopAutomaton(s) for s in stop if s]
         self.pending = ""
         self.stopped = False
 
     def feed(self, text: str) -> str:
-        if self.stopped:
+        if self.stopped or not text:
             return ""
+        start = len(self.pending)  # where `text` begins in `pending`
         self.pending += text
-        cut, hit = cut_at_stop(self.pending, self.stop)
-        if hit:
+        cut = None  # the earliest start of a stop string completed in `text`
+        for offset, char in enumerate(text, start + 1):  # `offset`: the end of `pending[:offset]`, just fed
+            for automaton in self.automata:
+                if automaton.advance(char):
+                    found = offset - len(automaton.stop)
+                    cut = found if cut is None else min(cut, found)
+            # Done once no stop string still being matched began before the cut (the longest match is the earliest).
+            if cut is not None and all(offset - automaton.matched >= cut for automaton in self.automata):
+                break
+        if cut is not None:
             self.stopped = True
-            self.pending = ""
-            return cut
-        held = max((n for s in self.stop for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
+            ready, self.pending = self.pending[:cut], ""
+            return ready
+        held = max((automaton.matched for automaton in self.automata), default=0)
         ready, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
         return ready
 
     def flush(self) -> str:
         ready, self.pending = ("" if self.stopped else self.pending), ""
         return ready
+
+
+class StopStrings:
+    """
+    Whether a row's answer has reached one of its stop strings, checked on the text as it is decoded
+    (`IncrementalDecoder` and `StopTextFilter`, the same rule as the stream and `cut_at_stop`): one token at a time,
+    in time linear in the answer and the stop strings, keeping nothing beyond the row. (transformers'
+    `StopStringCriteria` builds a table per tokenizer and stop strings, of about 4 KB per stop character, and keeps
+    the last 8 for the whole process: distinct stop strings would make the server's memory grow.)
+    """
+
+    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.text = StopTextFilter(stop)
+
+    def add(self, token_id: int) -> bool:
+        """Feed the row's newest token; True once the answer holds a stop string."""
+        if piece := self.decoder.add([token_id]):
+            self.text.feed(piece)
+        return self.text.stopped

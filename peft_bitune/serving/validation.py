@@ -20,6 +20,7 @@ SUPPORTED_FIELDS = {
 }
 ROLES = {"system", "developer", "user", "assistant"}
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_STOP_LENGTH = 512  # characters per stop sequence (OpenAI states no limit; ours bounds what a stream holds back)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 
 
@@ -87,6 +88,17 @@ def check_fields(body: dict) -> None:
         )
 
 
+def check_n_and_stream(body: dict) -> None:
+    """`n` and `stream` with OpenAI's types, strictly: `n` a JSON integer (1 here; not 1.0 or true) and `stream` a JSON
+    boolean (not 1 or "true"). Python compares 1.0 == 1 and 1 == True, so the types are checked, not only the
+    values."""
+    n, stream = body.get("n"), body.get("stream")
+    if n is not None and (type(n) is not int or n != 1):
+        raise OpenAIError(400, f"`n` must be the integer 1 (one answer per request), got {n!r}.", "n")
+    if stream is not None and type(stream) is not bool:
+        raise OpenAIError(400, f"`stream` must be true or false (a JSON boolean), got {stream!r}.", "stream")
+
+
 def check_messages(messages: Any) -> list[dict]:
     """The messages, checked: text content only (a string or a list of text parts), known roles."""
     if not isinstance(messages, list) or not messages:
@@ -142,12 +154,26 @@ def optional_string(body: dict, name: str) -> str | None:
 
 
 def check_stop(stop: Any) -> list[str]:
+    """The stop strings: at most `MAX_STOP_STRINGS` (as OpenAI's API), each non-empty and at most `MAX_STOP_LENGTH`
+    characters, so that what a request makes the server hold (its stop strings, the text a stream holds back) is
+    bounded."""
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    well_formed = isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)
-    if not well_formed or len(stops) > MAX_STOP_STRINGS:
+    if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
         raise OpenAIError(
             400,
             f"`stop` must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them, got {stop!r:.200}.",
             "stop",
         )
+    if len(stops) > MAX_STOP_STRINGS:
+        raise OpenAIError(
+            400, f"`stop` may hold at most {MAX_STOP_STRINGS} stop sequences (as OpenAI's API), got {len(stops)}.",
+            "stop",
+        )
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_LENGTH:
+            where = "stop" if isinstance(stop, str) else f"stop[{i}]"
+            raise OpenAIError(
+                400, f"Each `stop` sequence may be at most {MAX_STOP_LENGTH} characters long; `{where}` has {len(s)}.",
+                where,
+            )
     return stops
