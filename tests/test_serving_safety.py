@@ -257,12 +257,15 @@ def bad_request(url: str, body: dict, key: str, kind: int) -> int:
     return post_raw(url, json.dumps({**body, "messages": [user("\ud800")]}).encode(), headers=bearer(key))[0]
 
 
-@pytest.mark.slow  # about 20 s of CPU (the model's work is serial: one core), and its threads
+@pytest.mark.slow  # about 40 s of CPU in two rounds (the model's work is serial: one core), and its threads
 def test_a_soak_of_fifty_clients_keeps_every_answer_and_the_bounds(serving_adapter, serving_tokenizer,
                                                                     serving_template, full_prefill):
     """50 clients at once, each a 4-turn conversation under a small cache budget, with streams left half-way and bad
     requests mixed in: no 5xx, every greedy answer equals its full prefill, the kept bytes stay under the budget, and
-    memory returns to within 10% of its start once the clients leave."""
+    memory does not grow with the load. The clients come twice: the first round warms up what a process keeps once it
+    has served that many threads (allocator arenas, thread stacks, buffers: 40-70 MiB on this machine, which made a
+    bound on the first round fail about 2 runs in 5), and the second, measured round must end at most 10% above where
+    it started; a leak would grow with every request of it."""
     stories = [[story, *FOLLOW_UPS, "Ask: And now?"][:SOAK_TURNS] for story in STORIES]
     references: dict[str, str] = {}
     for turns in stories:  # the answers every client must get, and a warm-up of every code path in this process
@@ -279,8 +282,6 @@ def test_a_soak_of_fifty_clients_keeps_every_answer_and_the_bounds(serving_adapt
         # measure the test's own HTTP clients (an SSL context each), not the server.
         clients = {key: client_of(url, key) for key in KEYS}
         ask(clients[KEYS[0]], [user(STORIES[0])], SOAK_MAX_TOKENS)  # warm-up of the server's own paths
-        gc.collect()
-        start = resident_bytes()
 
         def watch() -> None:
             while not done.wait(0.05):
@@ -311,20 +312,29 @@ def test_a_soak_of_fifty_clients_keeps_every_answer_and_the_bounds(serving_adapt
                     wrong.append((number, len(messages), answer))
                 messages.append(assistant(answer))
 
+        def clients_come() -> list[threading.Thread]:
+            threads = [threading.Thread(target=converse_roughly, args=(i,)) for i in range(SOAK_CLIENTS)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=REQUEST_TIMEOUT_S)
+            return threads
+
         watcher = threading.Thread(target=watch)
         watcher.start()
+        warm_up = clients_come()
+        assert not any(thread.is_alive() for thread in warm_up) and errors == [] and wrong == []
+        statuses.clear()
+        gc.collect()
+        start = resident_bytes()
         began, began_cpu = time.monotonic(), time.process_time()
-        threads = [threading.Thread(target=converse_roughly, args=(i,)) for i in range(SOAK_CLIENTS)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=REQUEST_TIMEOUT_S)
+        threads = clients_come()
         seconds, cpu_seconds = time.monotonic() - began, time.process_time() - began_cpu
         done.set()
         watcher.join()
         health = get_json(url, "/health")
-    gc.collect()
-    end = resident_bytes()
+        gc.collect()
+        end = resident_bytes()
     print(f"\nsoak: {SOAK_CLIENTS} clients x {SOAK_TURNS} turns in {seconds:.1f} s ({cpu_seconds:.1f} s of CPU); "
           f"{len(statuses)} requests "
           f"({sum(s < 300 for s in statuses)} answered, {sum(400 <= s < 500 for s in statuses)} refused with 4xx); "
@@ -336,4 +346,4 @@ def test_a_soak_of_fifty_clients_keeps_every_answer_and_the_bounds(serving_adapt
     assert sum(s < 300 for s in statuses) == SOAK_CLIENTS * SOAK_TURNS
     assert wrong == []
     assert health["cancelled_streams"] > 0 and max(kept_bytes) <= SOAK_BUDGET_BYTES and kept_bytes[-1] > 0
-    assert abs(end - start) <= 0.1 * start
+    assert end - start <= 0.1 * start  # memory may also fall: the first round's buffers are freed
