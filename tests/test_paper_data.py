@@ -406,3 +406,19 @@ def test_training_rows_as_a_total_give_a_short_split_all_it_has():
     assert runner.rows_per_task(400, available) == dict.fromkeys(available, 100)
     with pytest.raises(SystemExit, match="--train_rows 60000 is more than"):
         runner.rows_per_task(60000, available)
+
+
+def test_the_docs_recipe_tables_are_the_committed_report():
+    """docs/paper_tasks.md's validation table of the recipe variants is what recipes_report.py prints for
+    docs/results/paper_tasks_recipes.json, and each run in it has its committed record."""
+    recipes = load_example("recipes_report")
+    committed = json.loads((REPOSITORY / "docs" / "results" / "paper_tasks_recipes.json").read_text())
+    page = (REPOSITORY / "docs" / "paper_tasks.md").read_text(encoding="utf-8")
+    assert recipes.markdown(committed) in page
+    assert (REPOSITORY / "docs" / "images" / "paper_tasks_recipes_0.png").is_file()
+    records = REPOSITORY / "docs" / "results" / "paper_tasks_runs" / "smollm2"
+    for stage in committed["stages"].values():
+        for method, runs in stage["runs"].items():
+            for lr, run in runs.items():
+                kept = [json.loads(path.read_text()) for path in records.glob(f"*-{method}-lr{lr}-seed0.json")]
+                assert any(record.get("validation_rows") == run["validation_rows"] for record in kept)
