@@ -636,8 +636,8 @@ def test_bitune_eval_refuses_numbers_the_harness_would_fail_on_before_loading_an
 
 
 def test_bitune_eval_takes_the_numbers_the_harness_can_use():
-    from peft_bitune.evaluation.cli import refuse_unusable_numbers
+    from peft_bitune.evaluation.cli import refuse_unusable_harness_numbers
 
     for flags in (["--limit", "0.5"], ["-L", "3"], ["--limit=10.0"], ["--num_fewshot", "0"], ["-b", "auto:4"],
                   ["--batch_size", "8"], ["--batch_size=auto"], ["--max_batch_size", "64"], ["--seed", "0,None,1,2"]):
-        refuse_unusable_numbers(["run", "--model", "bitune", *flags])  # no SystemExit
+        refuse_unusable_harness_numbers(["run", "--model", "bitune", *flags])  # no SystemExit

@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     *configs, config_remaining, cli_remaining = make_parser().parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True
     )
-    refuse_unusable_numbers(configs)
+    refuse_unusable_config_numbers(configs)
     launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
     training_script_args = _without_subsequence(argv, cli_remaining)
     launch_parser = launch_command_parser()
@@ -223,11 +223,11 @@ def train(argv: Sequence[str] | None = None) -> None:
     script_args, training_args, model_args, dataset_args, bitune_args = parser.parse_args_and_config(
         args=argv, fail_with_unknown_args=True
     )
-    refuse_unusable_numbers([script_args, training_args, model_args, dataset_args, bitune_args])
+    refuse_unusable_config_numbers([script_args, training_args, model_args, dataset_args, bitune_args])
     run(script_args, training_args, model_args, dataset_args, bitune_args)
 
 
-def refuse_unusable_numbers(configs: Sequence[Any]) -> None:
+def refuse_unusable_config_numbers(configs: Sequence[Any]) -> None:
     """Refuse, with one line and before anything is launched or loaded, a numeric flag (or `--config` value) that
     parsed but cannot be used: nan, inf (also a float that overflowed, e.g. 1e999) or an integer beyond 64 bits. The
     parser takes them all (Python's `float` and `int`), and each failed later, or trained on nan."""

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the harness's command line (`lm_eval`) on `argv` (default: this process's arguments)."""
-    refuse_unusable_numbers(list(sys.argv[1:] if argv is None else argv))  # before anything is imported or loaded
+    refuse_unusable_harness_numbers(list(sys.argv[1:] if argv is None else argv))  # before anything is loaded
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as error:
@@ -73,7 +73,7 @@ def take_data_source(arguments: list[str]) -> tuple[list[str], str | None]:
 NUMPY_SEED_RANGE = (0, 2**32 - 1)  # the harness seeds numpy too, which takes no other seed
 
 
-def refuse_unusable_numbers(arguments: list[str]) -> None:
+def refuse_unusable_harness_numbers(arguments: list[str]) -> None:
     """
     Refuse, with one line and before anything is loaded, the harness's numeric flags that it would accept and then
     fail on with a traceback (after loading the model): `--limit` that is not a count of at least 1 or a fraction in
