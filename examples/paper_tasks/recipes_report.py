@@ -13,9 +13,8 @@ compared with each other.
 
 from __future__ import annotations
 
-import argparse
+import functools
 import importlib.util
-import json
 import math
 from pathlib import Path
 
@@ -27,6 +26,7 @@ TRAIN_TASKS = ("arc_challenge", "csqa", "piqa", "siqa")  # the order of run.py's
 FIELDS = ("train_loss", "train_seconds", "loss_curve", "alphas", "alpha_mean_curve", "validation_rows")
 
 
+@functools.cache
 def _report_module():
     spec = importlib.util.spec_from_file_location("paper_tasks_report", HERE / "report.py")
     module = importlib.util.module_from_spec(spec)
@@ -132,30 +132,15 @@ def figures(report: dict, prefix: str) -> list[str]:
         alpha_axis.set(xlabel="layer", ylabel="learned α (keys solid, values dashed)", title="learned α per layer")
         alpha_axis.legend(fontsize=7)
         figure.tight_layout()
-        path = f"{prefix}_{index}.png"
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(path, dpi=110)
+        written.append(_report_module().save_figure(figure, f"{prefix}_{index}.png"))
         plt.close(figure)
-        written.append(path)
     return written
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("inputs", nargs="+", help="--json files of `run.py --search_only`")
-    parser.add_argument("--json", help="write the merged report here")
-    parser.add_argument("--images", help="draw <IMAGES>_<stage number>.png")
-    args = parser.parse_args(argv)
-    missing = [path for path in args.inputs if not Path(path).is_file()]
-    if missing:
-        parser.error(f"no such results file: {', '.join(missing)}")
-    report = merge([json.loads(Path(path).read_text()) for path in args.inputs])
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    if args.images:
-        for path in figures(report, args.images):
-            print(f"wrote {path}")
+    report = _report_module().report_from_command_line(
+        argv, __doc__.split("\n\n")[0], "--json files of `run.py --search_only`",
+        "draw <IMAGES>_<stage number>.png", merge, figures)
     print(markdown(report))
 
 

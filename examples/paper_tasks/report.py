@@ -167,7 +167,7 @@ def figures(report: dict, prefix: str) -> list[str]:
         axis.set_title(name)
         axis.legend(loc="lower right", fontsize=8)
     figure.tight_layout()
-    written.append(_save(figure, f"{prefix}_accuracy.png"))
+    written.append(save_figure(figure, f"{prefix}_accuracy.png"))
 
     figure, axis = plt.subplots(figsize=(8, 3.5))
     for offset, name in enumerate(names):
@@ -183,7 +183,7 @@ def figures(report: dict, prefix: str) -> list[str]:
     axis.set_title("Bitune − LoRA, mean over seeds, 95% paired bootstrap interval")
     axis.legend(fontsize=8)
     figure.tight_layout()
-    written.append(_save(figure, f"{prefix}_difference.png"))
+    written.append(save_figure(figure, f"{prefix}_difference.png"))
 
     figure, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.2), squeeze=False)
     for axis, name in zip(axes[0], names):
@@ -197,7 +197,7 @@ def figures(report: dict, prefix: str) -> list[str]:
         axis.set_title(name)
         axis.legend(fontsize=8)
     figure.tight_layout()
-    written.append(_save(figure, f"{prefix}_loss.png"))
+    written.append(save_figure(figure, f"{prefix}_loss.png"))
 
     figure, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.2), squeeze=False)
     for axis, name in zip(axes[0], names):
@@ -209,32 +209,42 @@ def figures(report: dict, prefix: str) -> list[str]:
         axis.set_title(f"{name}: {report['models'][name]['chosen']['bitune_start']}")
         axis.legend(fontsize=8)
     figure.tight_layout()
-    written.append(_save(figure, f"{prefix}_alphas.png"))
+    written.append(save_figure(figure, f"{prefix}_alphas.png"))
     return written
 
 
-def _save(figure, path: str) -> str:
+def save_figure(figure, path: str) -> str:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("inputs", nargs="+", help="the --json files of examples/paper_tasks/run.py, one per model")
+def report_from_command_line(argv: list[str] | None, description: str, inputs_help: str, images_help: str,
+                             merge_inputs, draw) -> dict:
+    """The command line of a report (this one and recipes_report.py): merge the input files with `merge_inputs`,
+    write the merged JSON (`--json`) and the figures `draw` makes (`--images`); returns the report."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("inputs", nargs="+", help=inputs_help)
     parser.add_argument("--json", help="write the merged report here")
-    parser.add_argument("--images", help="draw the figures as <IMAGES>_accuracy.png, ..._difference.png, ...")
+    parser.add_argument("--images", help=images_help)
     args = parser.parse_args(argv)
     missing = [path for path in args.inputs if not Path(path).is_file()]
     if missing:
         parser.error(f"no such results file: {', '.join(missing)}")
-    report = merge([json.loads(Path(path).read_text()) for path in args.inputs])
+    report = merge_inputs([json.loads(Path(path).read_text()) for path in args.inputs])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     if args.images:
-        for path in figures(report, args.images):
+        for path in draw(report, args.images):
             print(f"wrote {path}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    report = report_from_command_line(
+        argv, __doc__.split("\n\n")[0], "the --json files of examples/paper_tasks/run.py, one per model",
+        "draw the figures as <IMAGES>_accuracy.png, ..._difference.png, ...", merge, figures)
     print(markdown(report))
     print()
     print(search_table(report))
