@@ -118,6 +118,17 @@ class BituneMixingCallback(TrainerCallback):
         return logs
 
 
+def check_warmup_fits(warmup_steps: int, total_steps: int) -> None:
+    """A mixing warm-up must end within training (`total_steps`, if known: > 0), else the adapter is saved with its mix
+    still held back. Checked when the config is made and again when training starts (a run given in epochs)."""
+    if total_steps > 0 and warmup_steps > total_steps:
+        raise ValueError(
+            f"`mixing_warmup_steps`: the mixing warm-up ({warmup_steps} steps) is longer than training ({total_steps} "
+            "steps), so the mixing would never be fully released. Choose at most the number of training steps, e.g. a "
+            "tenth to a fifth of it."
+        )
+
+
 class BituneMixingWarmupCallback(TrainerCallback):
     """
     A mixing warm-up (`BituneSFTConfig.mixing_warmup_steps`): at the start of optimizer step `t` the learned alphas
@@ -136,11 +147,7 @@ class BituneMixingWarmupCallback(TrainerCallback):
         self.warmup_steps = warmup_steps
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if state.max_steps > 0 and self.warmup_steps > state.max_steps:
-            raise ValueError(
-                f"The mixing warm-up ({self.warmup_steps} steps) is longer than training ({state.max_steps} steps): "
-                "the mixing would never be fully released. Choose at most the number of training steps."
-            )
+        check_warmup_fits(self.warmup_steps, state.max_steps)
         self._release(model, state.global_step)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:

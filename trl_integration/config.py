@@ -9,6 +9,7 @@ from transformers import TrainingArguments
 from trl import SFTConfig
 
 from peft_bitune import compat
+from peft_bitune.callbacks import check_warmup_fits
 from peft_bitune.optimizers import check_lr_ratio
 
 
@@ -127,15 +128,6 @@ def check_recipe_options(args: Any) -> None:
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"`mixing_warmup_steps` must be a non-negative integer (0: no warm-up), got {warmup!r}.")
     check_warmup_fits(warmup, args.max_steps)
-
-
-def check_warmup_fits(warmup_steps: int, total_steps: int) -> None:
-    """A mixing warm-up must end within training, else the adapter is saved with its mix still held back."""
-    if total_steps > 0 and warmup_steps > total_steps:
-        raise ValueError(
-            f"`mixing_warmup_steps` ({warmup_steps}) is longer than training ({total_steps} steps): the mixing would "
-            "never be fully released. Choose at most the number of training steps, e.g. a tenth to a fifth of it."
-        )
 
 
 def refuse_packing(args: Any) -> None:
