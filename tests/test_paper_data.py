@@ -8,6 +8,7 @@ import gzip
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -258,6 +259,29 @@ def test_runner_runs_the_protocol_and_resumes(installed_fake_wheels, tmp_path, m
     assert {method: list(runs) for method, runs in paper_procedure["search"].items()} == {
         "lora": ["0.001", "0.003"], "bitune_paper_start": [lora_rate], "bitune_near_causal": [lora_rate]}
     assert paper_procedure["chosen"]["bitune_learning_rate_from_lora"] is True
+
+
+def test_runner_scores_a_record_from_another_machine_by_training_its_adapter_again(installed_fake_wheels,
+                                                                                    tmp_path):
+    """Records are committed, adapters are not: on a new machine the chosen search run is trained again for its test
+    scores, and its committed record (the validation that chose it) is kept as it was."""
+    runner = load_example("run")
+    work_dir = tmp_path / "runs"
+    arguments = [*RUNNER_ARGUMENTS, "--work_dir", str(work_dir), "--methods", "lora", "--seeds", "0",
+                 "--learning_rates", "1e-3"]
+    runner.main([*arguments, "--search_only"])
+    (record_path,) = work_dir.glob("*-lora-lr0.001-seed0.json")
+    committed = record_path.read_text()
+    shutil.rmtree(work_dir / "adapters")
+
+    runner.main([*arguments, "--json", str(tmp_path / "results.json")])
+
+    assert record_path.read_text() == committed
+    assert (work_dir / "adapters" / record_path.stem / "adapter_config.json").is_file()
+    (tested_path,) = work_dir.glob("*-lora-lr0.001-seed0-test*.json")
+    assert json.loads(tested_path.read_text())["adapter_retrained"] is True
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["runs"]["lora"]["0"]["validation"] == json.loads(committed)["validation"]
 
 
 def test_paired_bootstrap_says_ahead_level_or_behind():

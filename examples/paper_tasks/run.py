@@ -408,16 +408,23 @@ class Experiment:
         key = self.store.key(method, learning_rate, seed)
         record, tested = self.store.record(key), self.store.record(self.store.test_key(key))
         if tested is None:
-            if record is None:
-                model, record = train(method, learning_rate, seed, self.settings, self.data, self.tokenizer)
+            retrained = record is not None and not self.store.adapter(key).is_dir()
+            if record is None or retrained:
+                if retrained:  # a record committed on another machine: its adapter (never committed) stayed there
+                    self.log(f"{key}: its adapter is not in {self.store.directory}; training it again for scoring")
+                model, trained = train(method, learning_rate, seed, self.settings, self.data, self.tokenizer)
                 model.save_pretrained(self.store.adapter(key))
-                self.store.put(key, record)
+                if record is None:
+                    record = trained
+                    self.store.put(key, record)
             else:
                 base = AutoModelForCausalLM.from_pretrained(self.settings.base, dtype=torch.float32)
                 model = PeftModel.from_pretrained(base, self.store.adapter(key)).eval()
             started = time.time()
             tested = test_scores(model, self.tokenizer, self.data, self.settings)
             tested["test_seconds"] = round(time.time() - started, 1)
+            if retrained:
+                tested["adapter_retrained"] = True
             self.store.put(self.store.test_key(key), tested)
         self.log(f"{method} lr {learning_rate:g} seed {seed}: " + ", ".join(
             f"{task} {value:.3f}" for task, value in tested["accuracy"].items()) + f" {self._elapsed()}")
