@@ -446,3 +446,62 @@ def test_the_docs_recipe_tables_are_the_committed_report():
             for lr, run in runs.items():
                 kept = [json.loads(path.read_text()) for path in records.glob(f"*-{method}-lr{lr}-seed0.json")]
                 assert any(record.get("validation_rows") == run["validation_rows"] for record in kept)
+
+
+def _larger_budget(merged_report: dict, model: str, rows_of) -> dict:
+    """run.py's --json at 600 steps, with each method's test rows given by `rows_of(method, seed, rows_at_200)`."""
+    n_test = merged_report["n_test"][model]
+    settings = {**merged_report["models"][model]["settings"], "steps": 600, "train_rows": 4800}
+    at_200 = merged_report["test_rows"][model]
+    runs = {method: {seed: {"train_loss": 1.0, "loss_curve": [[10, 2.0], [600, 1.0]],
+                            "test": {"rows": {task: rows_of(method, seed, at_200["lora"][seed][task])
+                                              for task in n_test}}}
+                     for seed in at_200["lora"]} for method in ("lora", "lora_r16", "bitune")}
+    for record in runs["bitune"].values():
+        record["alphas"] = {"keys": [0.2, 0.3], "values": [0.1, 0.4]}
+    return {"model": model, "tasks": merged_report["tasks"], "n_test": n_test, "settings": settings, "runs": runs}
+
+
+def test_budget_report_puts_both_budgets_side_by_side_with_paired_intervals(tmp_path):
+    budget = load_example("budget_report")
+    merged_report = json.loads((REPOSITORY / "docs" / "results" / "paper_tasks.json").read_text())
+    model = "SmolLM2-135M-Instruct"
+
+    def rows_of(method, seed, lora_rows_at_200):  # LoRA as at 200 steps; Bitune always right, LoRA r=16 never
+        return {"lora": lora_rows_at_200, "bitune": "1" * len(lora_rows_at_200),
+                "lora_r16": "0" * len(lora_rows_at_200)}[method]
+
+    later = tmp_path / "600.json"
+    later.write_text(json.dumps(_larger_budget(merged_report, model, rows_of)))
+    committed = REPOSITORY / "docs" / "results" / "paper_tasks.json"
+    budget.main([str(committed), str(later), "--json", str(tmp_path / "budget.json"),
+                 "--images", str(tmp_path / "images" / "budget")])
+
+    report = json.loads((tmp_path / "budget.json").read_text())
+    assert list(report["budgets"]) == ["200", "600"]
+    differences = report["differences"]
+    assert differences["Bitune − LoRA r=16, 600 steps"]["average"] == {"mean": 1.0, "ci95": [1.0, 1.0],
+                                                                       "verdict": "ahead"}
+    unchanged = differences["LoRA, 600 − 200 steps"]["average"]
+    assert unchanged["mean"] == 0 and unchanged["ci95"][0] < 0 < unchanged["ci95"][1]
+    assert unchanged["verdict"] == "level"
+    at_200 = differences["Bitune − LoRA, 200 steps"]["average"]
+    page = merged_report["bitune_minus_lora"][model]["average"]
+    assert at_200["mean"] == pytest.approx(page["mean"]) and at_200["ci95"] == pytest.approx(page["ci95"])
+    assert report["accuracy"]["600"]["lora"] == report["accuracy"]["200"]["lora"]
+    table = budget.markdown(report)
+    assert ("| LoRA, 200 steps | Bitune, 200 steps | LoRA, 600 steps | LoRA r=16, 600 steps | Bitune, 600 steps |"
+            in table)
+    assert "| Bitune − LoRA r=16, 600 steps | +100.0 [+100.0, +100.0] |" in table
+    assert (tmp_path / "images" / "budget.png").is_file()
+
+
+def test_budget_report_refuses_budgets_scored_on_other_test_rows(tmp_path):
+    budget = load_example("budget_report")
+    merged_report = json.loads((REPOSITORY / "docs" / "results" / "paper_tasks.json").read_text())
+    later = _larger_budget(merged_report, "SmolLM2-135M-Instruct", lambda method, seed, rows: rows)
+    later["settings"]["test_rows"] = 300
+    with pytest.raises(SystemExit, match="different test rows"):
+        budget.merge([merged_report, later])
+    with pytest.raises(SystemExit, match="merged JSON .* first"):
+        budget.merge([later, merged_report])

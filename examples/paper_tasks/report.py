@@ -104,7 +104,8 @@ def merge(inputs: list[dict]) -> dict:
     return report
 
 
-def _percent(values: list[float]) -> str:
+def mean_and_spread(values: list[float]) -> str:
+    """Accuracies over seeds as a percentage: the mean, and the sample standard deviation when there are several."""
     mean = 100 * statistics.fmean(values)
     return f"{mean:.1f}" if len(values) == 1 else f"{mean:.1f} ± {100 * statistics.stdev(values):.1f}"
 
@@ -121,8 +122,8 @@ def markdown(report: dict) -> str:
             low, high = difference["ci95"]
             rows = report["n_test"][name].get(task, sum(report["n_test"][name].values()))
             title = f"**{TASK_TITLES[task]}**" if task == "average" else TASK_TITLES[task]
-            lines.append(f"| {title} | {rows} | {_percent(results['base'][task])} | {_percent(results['lora'][task])} "
-                         f"| {_percent(results['bitune'][task])} | {100 * difference['mean']:+.1f} "
+            cells = " | ".join(mean_and_spread(results[method][task]) for method in METHODS)
+            lines.append(f"| {title} | {rows} | {cells} | {100 * difference['mean']:+.1f} "
                          f"[{100 * low:+.1f}, {100 * high:+.1f}] | {difference['verdict']} |")
         chosen = report["models"][name]["chosen"]
         start = chosen["bitune_start"]

@@ -1,0 +1,168 @@
+"""
+The larger budget's report (docs/paper_tasks.md, "A larger budget and a parameter-matched LoRA"): the 200-step
+results (the merged report of report.py) beside a 600-step run of run.py with LoRA, LoRA r=16 and Bitune, on the same
+test rows. It writes one JSON with every run's outcomes, draws the loss curves and the learned alphas, and prints the
+page's tables.
+
+    python examples/paper_tasks/run.py --base smollm2 --steps 600 --train_rows 4800 --validation_rows_per_task 100 \
+        --methods lora lora_r16 bitune_near_causal --bitune_lr_from_lora --work_dir out/paper_tasks/smollm2 \
+        --json out/paper_smollm2_600.json
+    python examples/paper_tasks/budget_report.py docs/results/paper_tasks.json out/paper_smollm2_600.json \
+        --json docs/results/paper_tasks_budget.json --images docs/images/paper_tasks_budget
+
+Every difference is report.py's paired bootstrap (test rows paired, seeds resampled): Bitune against LoRA and
+against LoRA r=16 at each budget, and each method's 600-step runs against its 200-step runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+METHODS = ("lora", "lora_r16", "bitune")
+TITLES = {"lora": "LoRA", "lora_r16": "LoRA r=16", "bitune": "Bitune"}
+KEPT = ("train_loss", "train_seconds", "seconds_per_step", "loss_curve", "alphas", "alpha_mean_curve")
+
+
+@functools.cache
+def _report_module():
+    spec = importlib.util.spec_from_file_location("paper_tasks_report", HERE / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _from_merged_report(report: dict, model: str) -> dict:
+    """One budget's runs out of report.py's merged JSON (the 200-step page)."""
+    if model not in report["test_rows"]:
+        raise SystemExit(f"The merged report has no results of {model} (it has {', '.join(report['test_rows'])}).")
+    runs = {method: {seed: {"rows": rows, **report["training"][model][method][seed]}
+                     for seed, rows in report["test_rows"][model][method].items()}
+            for method in METHODS if method in report["test_rows"][model]}
+    return {"settings": report["models"][model]["settings"], "n_test": report["n_test"][model], "runs": runs}
+
+
+def _from_run(results: dict) -> dict:
+    """One budget's runs out of run.py's --json."""
+    runs = {method: {seed: {"rows": record["test"]["rows"], **{key: record[key] for key in KEPT if key in record}}
+                     for seed, record in results["runs"][method].items()}
+            for method in METHODS if method in results["runs"]}
+    return {"settings": results["settings"], "n_test": results["n_test"], "runs": runs}
+
+
+def _outcomes(budget: dict, method: str, tasks: list[str]) -> dict[str, np.ndarray]:
+    records = budget["runs"][method].values()
+    return {task: np.array([[row == "1" for row in record["rows"][task]] for record in records], dtype=float)
+            for task in tasks}
+
+
+def merge(inputs: list[dict]) -> dict:
+    """The merged 200-step report first, then run.py's results at the larger budget(s), all of one model."""
+    first, *later = inputs
+    if "test_rows" not in first or not later or any("runs" not in results for results in later):
+        raise SystemExit("Give report.py's merged JSON (the 200-step page) first, then run.py's --json results of "
+                         "the larger budget.")
+    if any(results.get("smoke") for results in later):
+        raise SystemExit("--smoke results cannot go into the report: it is for full runs.")
+    model, tasks = later[0]["model"], first["tasks"]
+    shortest = _from_merged_report(first, model)
+    budgets = {str(shortest["settings"]["steps"]): shortest}
+    for results in later:
+        if results["model"] != model or results["tasks"] != tasks:
+            raise SystemExit(f"All results must be of {model} on {tasks}; got {results['model']} on "
+                             f"{results['tasks']}.")
+        budgets[str(results["settings"]["steps"])] = _from_run(results)
+    test_sets = {steps: (budget["n_test"], budget["settings"]["test_rows"],
+                         budget["settings"]["mmlu_rows_per_subject"]) for steps, budget in budgets.items()}
+    if len({repr(test_set) for test_set in test_sets.values()}) != 1:
+        raise SystemExit(f"The budgets were scored on different test rows ({test_sets}): run them with the same "
+                         "--test_rows and --mmlu_rows_per_subject.")
+    bootstrap, accuracies = _report_module().paired_bootstrap, {}
+    for steps, budget in budgets.items():
+        accuracies[steps] = {}
+        for method in budget["runs"]:
+            per_task = {task: array.mean(axis=1).tolist() for task, array in _outcomes(budget, method, tasks).items()}
+            per_task["average"] = np.mean([per_task[task] for task in tasks], axis=0).tolist()
+            accuracies[steps][method] = per_task
+    differences = {}
+    for steps, budget in budgets.items():
+        for control in ("lora", "lora_r16"):
+            if {"bitune", control} <= set(budget["runs"]):
+                differences[f"Bitune − {TITLES[control]}, {steps} steps"] = bootstrap(
+                    _outcomes(budget, "bitune", tasks), _outcomes(budget, control, tasks))
+    (shortest_steps, _), *longer = budgets.items()
+    for steps, budget in longer:
+        for method in METHODS:
+            if method in budget["runs"] and method in shortest["runs"]:
+                differences[f"{TITLES[method]}, {steps} − {shortest_steps} steps"] = bootstrap(
+                    _outcomes(budget, method, tasks), _outcomes(shortest, method, tasks))
+    return {"model": model, "tasks": tasks, "n_test": shortest["n_test"], "budgets": budgets,
+            "accuracy": accuracies, "differences": differences}
+
+
+def markdown(report: dict) -> str:
+    """The accuracy of every method at every budget (mean ± std over seeds), then every difference with its
+    interval."""
+    task_titles = _report_module().TASK_TITLES
+    columns = [(steps, method) for steps, per_method in report["accuracy"].items() for method in per_method]
+    lines = ["| Task | test rows | " + " | ".join(f"{TITLES[m]}, {s} steps" for s, m in columns) + " |",
+             "| --- | ---: |" + " ---: |" * len(columns)]
+    for task in [*report["tasks"], "average"]:
+        rows = report["n_test"].get(task, sum(report["n_test"].values()))
+        title = f"**{task_titles[task]}**" if task == "average" else task_titles[task]
+        spread = _report_module().mean_and_spread
+        cells = [spread(report["accuracy"][steps][method][task]) for steps, method in columns]
+        lines.append(f"| {title} | {rows} | " + " | ".join(cells) + " |")
+    lines += ["", "| Difference [95% interval] | " + " | ".join(task_titles[t] for t in report["tasks"])
+              + " | **Average** | |", "| --- |" + " ---: |" * (len(report["tasks"]) + 1) + " --- |"]
+    for name, difference in report["differences"].items():
+        cells = [f"{100 * difference[t]['mean']:+.1f} [{100 * difference[t]['ci95'][0]:+.1f}, "
+                 f"{100 * difference[t]['ci95'][1]:+.1f}]" for t in [*report["tasks"], "average"]]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {difference['average']['verdict']} |")
+    return "\n".join(lines)
+
+
+def figures(report: dict, prefix: str) -> list[str]:
+    """The training-loss curves of every method and budget (mean over seeds), and Bitune's learned alphas per layer
+    at each budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (loss_axis, alpha_axis) = plt.subplots(1, 2, figsize=(12, 3.8))
+    for style, (steps, budget) in zip(("--", "-", ":"), report["budgets"].items()):
+        for color, method in enumerate(METHODS):
+            seeds = [run for run in budget["runs"].get(method, {}).values() if "loss_curve" in run]
+            if seeds:
+                steps_axis = [step for step, _ in seeds[0]["loss_curve"]]
+                mean = np.mean([[loss for _, loss in run["loss_curve"]] for run in seeds], axis=0)
+                loss_axis.plot(steps_axis, mean, f"C{color}{style}", label=f"{TITLES[method]}, {steps} steps")
+            alphas = [run["alphas"] for run in seeds if "alphas" in run]
+            if alphas:
+                for kind, marker in (("keys", "o"), ("values", "x")):
+                    alpha_axis.plot(np.mean([a[kind] for a in alphas], axis=0), f"C{color}{style}", marker=marker,
+                                    markersize=3, label=f"{kind}, {steps} steps")
+    loss_axis.set(xlabel="step", ylabel="training loss (answer tokens)", title=f"{report['model']}: mean over seeds")
+    alpha_axis.set(xlabel="layer", ylabel="learned α (mean over seeds)", title="Bitune's learned α per layer")
+    for axis in (loss_axis, alpha_axis):
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    path = _report_module().save_figure(figure, f"{prefix}.png")
+    plt.close(figure)
+    return [path]
+
+
+def main(argv: list[str] | None = None) -> None:
+    report = _report_module().report_from_command_line(
+        argv, __doc__.split("\n\n")[0], "report.py's merged JSON (the 200-step page), then run.py's --json of the "
+        "larger budget", "draw <IMAGES>.png", merge, figures)
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
