@@ -191,6 +191,37 @@ class StorageTracker(TorchDispatchMode):
         self.live_bytes -= size
 
 
+class SkipMatmulArithmetic(TorchDispatchMode):
+    """
+    Matrix products (`mm`, `addmm`, `bmm`) return zeros of their real output shape and dtype instead of computing.
+
+    Memory does not depend on what the numbers are: every tensor is allocated at its real size all the same, while a
+    training step of a multi-billion-parameter shape takes seconds instead of many minutes on a CPU. Only for
+    measuring allocations (the values it gives are meaningless). Enter it inside `peak_bytes_during`, so that the
+    tracker sees the zeros it allocates.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        aten = torch.ops.aten
+        if func is aten.mm.default:
+            first, second = args
+            shape = (first.shape[0], second.shape[1])
+        elif func is aten.addmm.default:
+            _, first, second = args[:3]
+            shape = (first.shape[0], second.shape[1])
+        elif func is aten.bmm.default:
+            first, second = args
+            shape = (first.shape[0], first.shape[1], second.shape[2])
+        else:
+            return func(*args, **(kwargs or {}))
+        return torch.zeros(shape, dtype=first.dtype, device=first.device)
+
+    @classmethod
+    def around(cls, function: Callable[[], object]) -> object:
+        with cls():
+            return function()
+
+
 def peak_bytes_during(function: Callable[[], object], device: torch.device) -> int:
     """Peak bytes allocated during one call of `function`, above what was allocated when it started."""
     gc.collect()
