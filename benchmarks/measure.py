@@ -37,29 +37,45 @@ class Clock:
 
     `"wall"` is elapsed time. `"cpu"` is the CPU time of this process (all its threads): on a CPU shared with other
     jobs it counts the work done, not the time spent waiting for a core, so it stays steady when the machine's load
-    changes. With one torch thread it is the wall time the same work takes on an idle core.
+    changes. With one torch thread it is the wall time the same work takes on an idle core. `"cuda_events"` records a
+    CUDA event in the stream instead of waiting for the device at each reading: the GPU's own time between two
+    readings, with no host synchronisation in the middle of the timed work.
     """
 
-    KINDS = ("wall", "cpu")
+    KINDS = ("wall", "cpu", "cuda_events")
 
     def __init__(self, kind: str, device: torch.device) -> None:
         if kind not in self.KINDS:
             raise ValueError(f"`kind` must be one of {self.KINDS}, got {kind!r}.")
         if kind == "cpu" and device.type != "cpu":
             raise ValueError("The `cpu` clock measures CPU work; time a GPU with the `wall` clock.")
+        if kind == "cuda_events" and device.type != "cuda":
+            raise ValueError("The `cuda_events` clock times a CUDA device; time a CPU with `wall` or `cpu`.")
         self.kind = kind
         self.device = device
         self._read = time.perf_counter if kind == "wall" else time.process_time
 
-    def now(self) -> float:
+    def now(self) -> float | torch.cuda.Event:
+        """A reading; only `elapsed` between two readings is meaningful."""
+        if self.kind == "cuda_events":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
         synchronize(self.device)
         return self._read()
+
+    def elapsed(self, start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float:
+        """Seconds between two readings."""
+        if self.kind == "cuda_events":
+            end.synchronize()
+            return start.elapsed_time(end) / 1000
+        return end - start
 
     def timed(self, function: Callable[[], object]) -> float:
         """Seconds one call of `function` takes on this clock."""
         start = self.now()
         function()
-        return self.now() - start
+        return self.elapsed(start, self.now())
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,8 @@ class Ratio:
     numerator_s: float
     denominator_s: float
     rounds: int
+    numerator_median_s: float
+    denominator_median_s: float
 
     @classmethod
     def from_rounds(cls, rounds: list[dict], numerator: str, denominator: str) -> Ratio:
@@ -140,12 +158,16 @@ class Ratio:
             numerator_s=fastest_numerator,
             denominator_s=fastest_denominator,
             rounds=len(rounds),
+            numerator_median_s=statistics.median(r[numerator] for r in rounds),
+            denominator_median_s=statistics.median(r[denominator] for r in rounds),
         )
 
     def as_dict(self) -> dict[str, float]:
         return dict(ratio=self.value, round_ratio_median=self.round_median, round_ratio_min=self.round_low,
                     round_ratio_max=self.round_high, numerator_s=self.numerator_s,
-                    denominator_s=self.denominator_s, rounds=self.rounds)
+                    denominator_s=self.denominator_s, rounds=self.rounds,
+                    numerator_median_s=self.numerator_median_s, denominator_median_s=self.denominator_median_s,
+                    median_ratio=self.numerator_median_s / self.denominator_median_s)
 
 
 class StorageTracker(TorchDispatchMode):

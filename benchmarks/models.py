@@ -127,7 +127,8 @@ TINY_SHAPES = {
         RealShape("tiny-gemma", 2, lambda layers: GemmaConfig(
             vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
             num_key_value_heads=1, head_dim=16, pad_token_id=0, bos_token_id=2, eos_token_id=1)),
-        RealShape("tiny-llama", 2, lambda layers: replace(MODEL_SIZES["tiny"], num_hidden_layers=layers).llama_config()),
+        RealShape("tiny-llama", 2,
+                  lambda layers: replace(MODEL_SIZES["tiny"], num_hidden_layers=layers).llama_config()),
     )
 }
 

@@ -39,6 +39,7 @@ import peft  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from peft import get_peft_model  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from measure import SkipMatmulArithmetic, peak_bytes_during  # noqa: E402
 from models import REAL_SHAPES, TINY_SHAPES, RealShape, lora_config, random_base, training_batch  # noqa: E402
@@ -105,19 +106,25 @@ def full_logits_bytes(config, batch_size: int, length: int, dtype: torch.dtype) 
     return batch_size * length * vocab * (torch.finfo(dtype).bits // 8 + 3 * 4)
 
 
+def base_model(config, device: torch.device, dtype: torch.dtype, initialise: bool) -> torch.nn.Module:
+    """A random base model, or, when the arithmetic is skipped anyway, one whose weights are allocated but never
+    initialised (drawing billions of random numbers takes minutes on a CPU, and memory does not depend on them)."""
+    if initialise:
+        return random_base(config, device, dtype, "sdpa")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.to_empty(device=device)
+
+
 def measure_method(config, method: str, checkpointing: bool, batch_shape: tuple[int, int, int],
                    device: torch.device, dtype: torch.dtype, skip_arithmetic: bool) -> int:
     """Peak bytes of one step of `method` on a fresh random model of `config` (built, measured, freed)."""
-    model = prepared_model(random_base(config, device, dtype, "sdpa"), method, checkpointing)
+    model = prepared_model(base_model(config, device, dtype, initialise=not skip_arithmetic), method, checkpointing)
     batch = training_batch(*batch_shape, config.get_text_config().vocab_size, device)
     step = step_function(model, method, batch)
     step()  # warm-up: lazily made buffers (rotary tables, LoRA's dropout identity) are not the step's own
-    try:
-        if skip_arithmetic:
-            return peak_bytes_during(lambda: SkipMatmulArithmetic.around(step), device)
-        return peak_bytes_during(step, device)
-    finally:
-        del model, batch, step
+    measured = (lambda: SkipMatmulArithmetic.around(step)) if skip_arithmetic else step
+    return peak_bytes_during(measured, device)
 
 
 def measure_shape(shape: RealShape, layer_counts: list[int] | None, batch_shape: tuple[int, int, int],
@@ -191,12 +198,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    torch.set_num_threads(1)  # several threads per process on a shared CPU wait at every barrier (benchmarks/README)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     batch_shape = (args.batch, args.prompt, args.answer)
     report = {
         "settings": {"batch_size": args.batch, "prompt_length": args.prompt, "answer_length": args.answer,
                      "dtype": args.dtype, "device": args.device, "arithmetic": args.arithmetic,
-                     "lora_rank": lora_config().r, "methods": args.methods, "attn_implementation": "sdpa", "layers": args.layers},
+                     "lora_rank": lora_config().r, "methods": args.methods, "attn_implementation": "sdpa",
+                     "layers": args.layers},
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "peft": peft.__version__, "python": sys.version.split()[0], "machine": platform.machine()},
         "shapes": {},
