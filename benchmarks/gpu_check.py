@@ -29,7 +29,7 @@ image lacks (datasets, dill, multiprocess). Here, in the repository root:
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
-        -d .whl peft==0.21.2 trl==1.16.0 datasets==4.4.1 dill==0.4.0 multiprocess==0.70.18
+        -d .whl peft==0.21.2 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 
 and there (carry `.whl`), in one command:
 
@@ -409,9 +409,12 @@ def check_memory(config, plan: Plan, device: torch.device) -> dict:
     result = {"batch": dict(zip(("batch_size", "prompt_length", "answer_length"), plan.memory_batch)),
               "dtype": "bfloat16", "checkpointing": True, "peak_bytes": {}, "skipped": {}}
     for method in training_memory.METHODS:
-        if method == "lora" and importlib.util.find_spec("trl") is None:
-            result["skipped"][method] = "trl is not installed (carry its wheels, see the docstring)"
-            continue
+        if method == "lora":
+            try:
+                import trl.trainer.utils  # noqa: F401  (LoRA's loss as SFTTrainer computes it)
+            except Exception as error:  # not installed, or its own needs are not: the other methods still count
+                result["skipped"][method] = f"trl does not import ({type(error).__name__}: {error}); carry its wheels"
+                continue
         result["peak_bytes"][method] = training_memory.measure_method(
             config, method, True, plan.memory_batch, device, torch.bfloat16, skip_arithmetic=device.type == "cpu")
         free_memory()

@@ -220,7 +220,8 @@ class SkipMatmulArithmetic(TorchDispatchMode):
     Memory does not depend on what the numbers are: every tensor is allocated at its real size all the same, while a
     training step of a multi-billion-parameter shape takes seconds instead of many minutes on a CPU. Only for
     measuring allocations (the values it gives are meaningless). Enter it inside `peak_bytes_during`, so that the
-    tracker sees the zeros it allocates.
+    tracker sees the zeros it allocates. (Attention kernels are left to compute: zeros of their outputs' sizes,
+    shaped through their meta kernels, changed the peak a little, as the meta tensors count as allocations too.)
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -122,8 +122,8 @@ def measure_method(config, method: str, checkpointing: bool, batch_shape: tuple[
     model = prepared_model(base_model(config, device, dtype, initialise=not skip_arithmetic), method, checkpointing)
     batch = training_batch(*batch_shape, config.get_text_config().vocab_size, device)
     step = step_function(model, method, batch)
-    step()  # warm-up: lazily made buffers (rotary tables, LoRA's dropout identity) are not the step's own
     measured = (lambda: SkipMatmulArithmetic.around(step)) if skip_arithmetic else step
+    measured()  # warm-up: lazily made buffers (rotary tables, LoRA's dropout identity) are not the step's own
     return peak_bytes_during(measured, device)
 
 
