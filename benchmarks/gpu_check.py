@@ -407,13 +407,14 @@ def check_flash_attention_2(pair: ModelPair, plan: Plan) -> dict:
 def check_memory(config, plan: Plan, device: torch.device) -> dict:
     """Peak bytes of a training step with checkpointing, per method (benchmarks/training_memory.py's steps)."""
     result = {"batch": dict(zip(("batch_size", "prompt_length", "answer_length"), plan.memory_batch)),
-              "dtype": "bfloat16", "checkpointing": True, "peak_bytes": {}, "skipped": {}}
+              "dtype": "bfloat16", "checkpointing": True, "peak_bytes": {}, "not_measured": {}}
     for method in training_memory.METHODS:
         if method == "lora":
             try:
                 import trl.trainer.utils  # noqa: F401  (LoRA's loss as SFTTrainer computes it)
             except Exception as error:  # not installed, or its own needs are not: the other methods still count
-                result["skipped"][method] = f"trl does not import ({type(error).__name__}: {error}); carry its wheels"
+                reason = f"trl does not import ({type(error).__name__}: {error}); carry its wheels"
+                result["not_measured"][method] = reason
                 continue
         result["peak_bytes"][method] = training_memory.measure_method(
             config, method, True, plan.memory_batch, device, torch.bfloat16, skip_arithmetic=device.type == "cpu")
@@ -532,7 +533,10 @@ def summary(report: dict) -> dict:
         "math_fallbacks": {name: s["attention_kernels"].get("math_fallback_in")
                            for name, s in report["shapes"].items()},
         "skipped": [f"{name}/{part}" for name, s in report["shapes"].items() for part in PARTS
-                    if "skipped" in s.get(part, {})],
+                    if "skipped" in s.get(part, {})]
+        + [f"{name}/speed/{kind}/{cell}" for name, s in report["shapes"].items()
+           for kind in ("train", "generation") for cell, result in s.get("speed", {}).get(kind, {}).items()
+           if "skipped" in result],
     }
 
 
