@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -215,29 +215,29 @@ class StorageTracker(TorchDispatchMode):
 
 class SkipMatmulArithmetic(TorchDispatchMode):
     """
-    Matrix products (`mm`, `addmm`, `bmm`) return zeros of their real output shape and dtype instead of computing.
+    Matrix products (`mm`, `addmm`, `bmm`) and the CPU's fused attention (forward and backward) return zeros of their
+    real outputs' shapes, strides and dtypes instead of computing (taken from the operators' meta kernels, run with
+    every dispatch mode off so that no tracker counts them).
 
     Memory does not depend on what the numbers are: every tensor is allocated at its real size all the same, while a
     training step of a multi-billion-parameter shape takes seconds instead of many minutes on a CPU. Only for
     measuring allocations (the values it gives are meaningless). Enter it inside `peak_bytes_during`, so that the
-    tracker sees the zeros it allocates. (Attention kernels are left to compute: zeros of their outputs' sizes,
-    shaped through their meta kernels, changed the peak a little, as the meta tensors count as allocations too.)
+    tracker sees the zeros it allocates.
     """
 
+    SKIPPED = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+               "_scaled_dot_product_flash_attention_for_cpu_backward")
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        aten = torch.ops.aten
-        if func is aten.mm.default:
-            first, second = args
-            shape = (first.shape[0], second.shape[1])
-        elif func is aten.addmm.default:
-            _, first, second = args[:3]
-            shape = (first.shape[0], second.shape[1])
-        elif func is aten.bmm.default:
-            first, second = args
-            shape = (first.shape[0], first.shape[1], second.shape[2])
-        else:
+        # Only the overloads that allocate their outputs (`mm.out` writes into a tensor it is given).
+        if func._overloadpacket.__name__ not in self.SKIPPED or func._overloadname != "default":
             return func(*args, **(kwargs or {}))
-        return torch.zeros(shape, dtype=first.dtype, device=first.device)
+        device = next(a.device for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor))
+        with _disable_current_modes():
+            on_meta = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs or {}))
+            out = func(*on_meta[0], **on_meta[1])
+        return tree_map_only(torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                                         device=device).zero_(), out)
 
     @classmethod
     def around(cls, function: Callable[[], object]) -> object:
