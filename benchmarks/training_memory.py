@@ -215,9 +215,9 @@ def main(argv: list[str] | None = None) -> dict:
         report["shapes"][shape.name] = measure_shape(shape, layer_counts, batch_shape, device, dtype,
                                                      args.arithmetic == "skip", args.memory_cap_gib,
                                                      tuple(args.methods))
+        if args.json:  # after each shape, so that a long run keeps what it has measured
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(table(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
