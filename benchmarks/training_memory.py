@@ -113,7 +113,11 @@ def base_model(config, device: torch.device, dtype: torch.dtype, initialise: boo
         return random_base(config, device, dtype, "sdpa")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    return model.to_empty(device=device)
+    model.to_empty(device=device)
+    with torch.no_grad():  # zeros, not whatever the memory held (denormal garbage makes element-wise ops crawl)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.zero_()
+    return model
 
 
 def measure_method(config, method: str, checkpointing: bool, batch_shape: tuple[int, int, int],
