@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -37,29 +37,45 @@ class Clock:
 
     `"wall"` is elapsed time. `"cpu"` is the CPU time of this process (all its threads): on a CPU shared with other
     jobs it counts the work done, not the time spent waiting for a core, so it stays steady when the machine's load
-    changes. With one torch thread it is the wall time the same work takes on an idle core.
+    changes. With one torch thread it is the wall time the same work takes on an idle core. `"cuda_events"` records a
+    CUDA event in the stream instead of waiting for the device at each reading: the GPU's own time between two
+    readings, with no host synchronisation in the middle of the timed work.
     """
 
-    KINDS = ("wall", "cpu")
+    KINDS = ("wall", "cpu", "cuda_events")
 
     def __init__(self, kind: str, device: torch.device) -> None:
         if kind not in self.KINDS:
             raise ValueError(f"`kind` must be one of {self.KINDS}, got {kind!r}.")
         if kind == "cpu" and device.type != "cpu":
             raise ValueError("The `cpu` clock measures CPU work; time a GPU with the `wall` clock.")
+        if kind == "cuda_events" and device.type != "cuda":
+            raise ValueError("The `cuda_events` clock times a CUDA device; time a CPU with `wall` or `cpu`.")
         self.kind = kind
         self.device = device
         self._read = time.perf_counter if kind == "wall" else time.process_time
 
-    def now(self) -> float:
+    def now(self) -> float | torch.cuda.Event:
+        """A reading; only `elapsed` between two readings is meaningful."""
+        if self.kind == "cuda_events":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
         synchronize(self.device)
         return self._read()
+
+    def elapsed(self, start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float:
+        """Seconds between two readings."""
+        if self.kind == "cuda_events":
+            end.synchronize()
+            return start.elapsed_time(end) / 1000
+        return end - start
 
     def timed(self, function: Callable[[], object]) -> float:
         """Seconds one call of `function` takes on this clock."""
         start = self.now()
         function()
-        return self.now() - start
+        return self.elapsed(start, self.now())
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,8 @@ class Ratio:
     numerator_s: float
     denominator_s: float
     rounds: int
+    numerator_median_s: float
+    denominator_median_s: float
 
     @classmethod
     def from_rounds(cls, rounds: list[dict], numerator: str, denominator: str) -> Ratio:
@@ -140,12 +158,16 @@ class Ratio:
             numerator_s=fastest_numerator,
             denominator_s=fastest_denominator,
             rounds=len(rounds),
+            numerator_median_s=statistics.median(r[numerator] for r in rounds),
+            denominator_median_s=statistics.median(r[denominator] for r in rounds),
         )
 
     def as_dict(self) -> dict[str, float]:
         return dict(ratio=self.value, round_ratio_median=self.round_median, round_ratio_min=self.round_low,
                     round_ratio_max=self.round_high, numerator_s=self.numerator_s,
-                    denominator_s=self.denominator_s, rounds=self.rounds)
+                    denominator_s=self.denominator_s, rounds=self.rounds,
+                    numerator_median_s=self.numerator_median_s, denominator_median_s=self.denominator_median_s,
+                    median_ratio=self.numerator_median_s / self.denominator_median_s)
 
 
 class StorageTracker(TorchDispatchMode):
@@ -189,6 +211,38 @@ class StorageTracker(TorchDispatchMode):
 
     def _release(self, size: int) -> None:
         self.live_bytes -= size
+
+
+class SkipMatmulArithmetic(TorchDispatchMode):
+    """
+    Matrix products (`mm`, `addmm`, `bmm`) and the CPU's fused attention (forward and backward) return zeros of their
+    real outputs' shapes, strides and dtypes instead of computing (taken from the operators' meta kernels, run with
+    every dispatch mode off so that no tracker counts them).
+
+    Memory does not depend on what the numbers are: every tensor is allocated at its real size all the same, while a
+    training step of a multi-billion-parameter shape takes seconds instead of many minutes on a CPU. Only for
+    measuring allocations (the values it gives are meaningless). Enter it inside `peak_bytes_during`, so that the
+    tracker sees the zeros it allocates.
+    """
+
+    SKIPPED = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+               "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Only the overloads that allocate their outputs (`mm.out` writes into a tensor it is given).
+        if func._overloadpacket.__name__ not in self.SKIPPED or func._overloadname != "default":
+            return func(*args, **(kwargs or {}))
+        device = next(a.device for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor))
+        with _disable_current_modes():
+            on_meta = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs or {}))
+            out = func(*on_meta[0], **on_meta[1])
+        return tree_map_only(torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                                         device=device).zero_(), out)
+
+    @classmethod
+    def around(cls, function: Callable[[], object]) -> object:
+        with cls():
+            return function()
 
 
 def peak_bytes_during(function: Callable[[], object], device: torch.device) -> int:

@@ -7,11 +7,12 @@ linear layer), so a ratio of their timings measures Bitune's own cost and nothin
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, GemmaConfig, LlamaConfig, PretrainedConfig
 
 import peft_bitune  # noqa: F401  (registers the BITUNE peft type)
 from peft_bitune import BituneConfig
@@ -67,13 +68,78 @@ MODEL_SIZES = {
 }
 
 
+@dataclass(frozen=True)
+class RealShape:
+    """
+    A published model's shape (from its config on the Hub), built with random weights: timings and memory depend on
+    the shape, not on the weights, and nothing is downloaded. `config(num_layers)` keeps the full width and cuts the
+    depth, for shapes too big for the machine at hand.
+    """
+
+    name: str
+    num_hidden_layers: int
+    make: Callable[[int], PretrainedConfig]
+
+    def config(self, num_layers: int | None = None) -> PretrainedConfig:
+        layers = self.num_hidden_layers if num_layers is None else num_layers
+        if not 1 <= layers <= self.num_hidden_layers:
+            raise ValueError(f"{self.name} has {self.num_hidden_layers} layers; asked for {layers}.")
+        return self.make(layers)
+
+
+def _gemma(hidden: int, intermediate: int, heads: int, kv_heads: int) -> Callable[[int], PretrainedConfig]:
+    """Gemma (1): 256-wide heads, a 256,000-token vocabulary, tied embeddings."""
+    return lambda layers: GemmaConfig(
+        vocab_size=256000, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=256, max_position_embeddings=8192,
+        pad_token_id=0, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True,
+    )
+
+
+REAL_SHAPES = {
+    shape.name: shape
+    for shape in (
+        RealShape("smollm2-135m", 30,
+                  lambda layers: replace(MODEL_SIZES["smollm2"], num_hidden_layers=layers).llama_config()),
+        # Gemma-3-270M: 4 heads and 1 key-value head of 256, five sliding-window layers (512) to one global layer.
+        RealShape("gemma-3-270m", 18, lambda layers: Gemma3TextConfig(
+            vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+            query_pre_attn_scalar=256, max_position_embeddings=32768, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+            tie_word_embeddings=True,
+        )),
+        RealShape("gemma-2b", 18, _gemma(hidden=2048, intermediate=16384, heads=8, kv_heads=1)),
+        RealShape("gemma-7b", 28, _gemma(hidden=3072, intermediate=24576, heads=16, kv_heads=16)),
+        RealShape("llama-3-8b", 32, lambda layers: LlamaConfig(
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        )),
+    )
+}
+
+
+# Stand-ins of the same architectures for smoke runs on a CPU (every figure they give is Python overhead).
+TINY_SHAPES = {
+    shape.name: shape
+    for shape in (
+        RealShape("tiny-gemma", 2, lambda layers: GemmaConfig(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=16, pad_token_id=0, bos_token_id=2, eos_token_id=1)),
+        RealShape("tiny-llama", 2,
+                  lambda layers: replace(MODEL_SIZES["tiny"], num_hidden_layers=layers).llama_config()),
+    )
+}
+
+
 @dataclass
 class ModelPair:
     """Plain LoRA and Bitune over identical copies of one base model."""
 
     lora: PeftModel
     bitune: PeftModel
-    size: ModelSize
+    size: ModelSize | PretrainedConfig  # anything with a `vocab_size`
     device: torch.device
     dtype: torch.dtype
 
@@ -85,14 +151,24 @@ def lora_config() -> LoraConfig:
     return LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear")
 
 
-def build_pair(size: ModelSize, device: torch.device, dtype: torch.dtype, attn_implementation: str,
-               seed: int = 0) -> ModelPair:
-    """Build one random base model and wrap two copies of it: one in LoRA, one in Bitune with the same LoRA config."""
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_config(size.llama_config(), attn_implementation=attn_implementation, dtype=dtype)
+def build_pair(size: ModelSize | PretrainedConfig, device: torch.device, dtype: torch.dtype,
+               attn_implementation: str, seed: int = 0) -> ModelPair:
+    """Build one random base model and wrap two copies of it: one in LoRA, one in Bitune with the same LoRA config.
+    `size` is a random Llama shape or any causal-LM config (e.g. a `RealShape`'s)."""
+    base = random_base(size, device, dtype, attn_implementation, seed)
     lora = get_peft_model(copy.deepcopy(base), lora_config())
     bitune = get_peft_model(base, BituneConfig(adapter_config=lora_config()))
     return ModelPair(lora=lora.to(device), bitune=bitune.to(device), size=size, device=device, dtype=dtype)
+
+
+def random_base(size: ModelSize | PretrainedConfig, device: torch.device, dtype: torch.dtype,
+                attn_implementation: str, seed: int = 0) -> torch.nn.Module:
+    """A base model with random weights, initialised on `device` directly (a multi-billion-parameter model is
+    initialised in seconds on a GPU, in minutes on its host's CPU)."""
+    config = size.llama_config() if isinstance(size, ModelSize) else size
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
 
 
 def training_batch(batch_size: int, prompt_length: int, answer_length: int, vocab_size: int,

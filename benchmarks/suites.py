@@ -58,6 +58,8 @@ def measure_training(pair: ModelPair, cell: TrainCell, policy: RoundPolicy, cloc
         lora_peak_bytes=peaks["lora"],
         bitune_peak_bytes=peaks["bitune"],
         memory_ratio=peaks["bitune"] / peaks["lora"],
+        lora_linear_flops=flops["lora"],
+        bitune_linear_flops=flops["bitune"],
         linear_flop_ratio=flops["bitune"] / flops["lora"],
         ratio_to_linear_flops=time_ratio.value / (flops["bitune"] / flops["lora"]),
     )
@@ -75,7 +77,7 @@ class StepClock(LogitsProcessor):
         self.stamps: list[float] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.stamps.append(self.clock.now())
+        self.stamps.append(self.clock.now())  # a CUDA event is recorded in the stream: no wait here
         return scores
 
 
@@ -97,7 +99,8 @@ def timed_generation(model: torch.nn.Module, prompts: dict[str, torch.Tensor], n
     if len(stamps) != new_tokens:
         raise RuntimeError(f"generate made {len(stamps)} tokens instead of {new_tokens}.")
     # The median step, not the mean: one step slowed down by another job would otherwise weigh on the whole run.
-    return {"prefill": stamps[0] - start, "decode": statistics.median(b - a for a, b in zip(stamps, stamps[1:]))}
+    return {"prefill": clock.elapsed(start, stamps[0]),
+            "decode": statistics.median(clock.elapsed(a, b) for a, b in zip(stamps, stamps[1:]))}
 
 
 @dataclass(frozen=True)

@@ -87,11 +87,41 @@ def mix_key_values(
     """
     `(1 - alpha) * causal + alpha * bidirectional`, computed in float32 and cast back to the cache dtype.
 
+    In training, only the two caches in their own dtype are kept for the backward pass (it recomputes in float32 what
+    it needs), not float32 copies of them: in bf16 those copies would double the keys and values held per layer, the
+    largest part of what Bitune keeps under activation checkpointing at 7B widths (docs/training.md, Memory). The
+    results are those of autograd through the float32 expression, to the bit.
+
     Args:
         causal (`torch.Tensor`): keys or values of the causal pass, of shape (batch, kv_heads, seq, head_dim).
         bidirectional (`torch.Tensor`): the same from the bidirectional pass.
         alpha (`torch.Tensor`): a 0-dim float32 coefficient.
     """
-    alpha = alpha.to(causal.device)
-    mixed = (1 - alpha) * causal.float() + alpha * bidirectional.float()
-    return mixed.to(causal.dtype)
+    return _MixInFloat32.apply(causal, bidirectional, alpha.to(causal.device))
+
+
+class _MixInFloat32(torch.autograd.Function):
+    """The mix with a backward that saves the caches in their own dtype; each gradient is computed as autograd
+    computes it through `(1 - alpha) * causal.float() + alpha * bidirectional.float()`, in the same order."""
+
+    @staticmethod
+    def forward(ctx, causal: torch.Tensor, bidirectional: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(causal, bidirectional, alpha)
+        mixed = (1 - alpha) * causal.float() + alpha * bidirectional.float()
+        return mixed.to(causal.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        causal, bidirectional, alpha = ctx.saved_tensors
+        grad = grad.float()
+        grad_causal = grad_bidirectional = grad_alpha = None
+        if ctx.needs_input_grad[0]:
+            grad_causal = (grad * (1 - alpha)).to(causal.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_bidirectional = (grad * alpha).to(bidirectional.dtype)
+        if ctx.needs_input_grad[2]:
+            # Through `1 - alpha` (negated) and through `alpha`, each reduced to alpha's shape as autograd does.
+            through_causal = (grad * causal.float()).sum_to_size(alpha.shape)
+            through_bidirectional = (grad * bidirectional.float()).sum_to_size(alpha.shape)
+            grad_alpha = -through_causal + through_bidirectional
+        return grad_causal, grad_bidirectional, grad_alpha

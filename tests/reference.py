@@ -11,6 +11,9 @@ from transformers import DynamicCache
 
 from peft_bitune import BituneConfig, compat
 
+# The small batch the batched forward is checked on against the per-row reference (tests and benchmarks/gpu_check.py):
+# a one-token prompt, short and longer ones, answers of different lengths, so that left or right padding shows.
+
 
 def make_bitune(base, adapter_config=None, seed: int = 0, **config_kwargs):
     """A Bitune model whose adapters and mixing scalars are all non-trivial (random, non-zero, per-layer different)."""
@@ -92,7 +95,7 @@ def reference_greedy_steps(model, prompt: torch.Tensor, max_new_tokens: int) -> 
     """`reference_greedy`'s tokens, and the logits (vocab,) each of them was the argmax of."""
     tokens, step_logits = prompt.tolist(), []
     for _ in range(max_new_tokens):
-        row = torch.tensor(tokens)
+        row = torch.tensor(tokens, device=prompt.device)
         cache = reference_prefill(model, row[None][:, : len(prompt)])
         with model.base_model.weights("causal"):
             logits = model.base_model.model(
@@ -151,3 +154,50 @@ def reference_alternating(model, row, turns, trailing):
         values = [torch.cat([o, n], -2) for o, n in zip(values, vc)] if values else vc
         position = end
     return loss, all_logits
+
+
+# ------------------------------------------------------------------------------ a padded batch against the rows
+PROMPT_LENGTHS = [1, 3, 7, 9]
+ANSWER_LENGTHS = [4, 2, 5, 3]
+
+
+def padded_batch(padding_side: str, vocab_size: int, seed: int = 1, prompt_lengths=PROMPT_LENGTHS,
+                 answer_lengths=ANSWER_LENGTHS):
+    """Rows of random tokens with the given prompt/answer lengths, padded on one side; labels mark the answers.
+    Returns the rows, the batch and the prompt mask."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(3, vocab_size, (p + a,), generator=generator)
+            for p, a in zip(prompt_lengths, answer_lengths)]
+    width = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    prompt_mask = torch.zeros_like(input_ids)
+    for i, (row, p) in enumerate(zip(rows, prompt_lengths)):
+        start = width - len(row) if padding_side == "left" else 0
+        input_ids[i, start : start + len(row)] = row
+        attention_mask[i, start : start + len(row)] = 1
+        labels[i, start + p : start + len(row)] = row[p:]
+        prompt_mask[i, start : start + p] = 1
+    return rows, dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels), prompt_mask
+
+
+def reference_batch(model, rows, prompt_lengths):
+    """Per-row reference: answer logits of each row and the batch loss (mean over all supervised tokens)."""
+    results = [reference_row(model, row, p) for row, p in zip(rows, prompt_lengths)]
+    total = sum(len(row) - p for row, p in zip(rows, prompt_lengths))
+    loss = sum(loss_sum for _, loss_sum in results) / total
+    return [logits for logits, _ in results], loss
+
+
+def answer_logits(logits, batch, rows, prompt_lengths):
+    """The output logits at x_P..end of each row (positions aligned with the input)."""
+    out = []
+    for i, (row, p) in enumerate(zip(rows, prompt_lengths)):
+        start = int(batch["attention_mask"][i].argmax())
+        out.append(logits[i, start + p - 1 : start + len(row)])
+    return out
+
+
+def trainable_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}

@@ -8,50 +8,21 @@ from peft import IA3Config, LoraConfig
 
 from peft_bitune import compat
 from precision import Tolerance, float32_sums, roundings
-from reference import alphas, make_bitune, reference_row
+from reference import (
+    PROMPT_LENGTHS,
+    alphas,
+    answer_logits,
+    make_bitune,
+    padded_batch,
+    reference_batch,
+    reference_row,
+    trainable_grads,
+)
 from tiny_models import ATTENTION_CASES, VOCAB
 
-PROMPT_LENGTHS = [1, 3, 7, 9]
-ANSWER_LENGTHS = [4, 2, 5, 3]
 
-
-def make_batch(padding_side: str, seed: int = 1, prompt_lengths=PROMPT_LENGTHS, answer_lengths=ANSWER_LENGTHS):
-    """Rows of random tokens with the given prompt/answer lengths, padded on one side; labels mark the answers."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = [torch.randint(3, VOCAB, (p + a,), generator=generator) for p, a in zip(prompt_lengths, answer_lengths)]
-    width = max(len(r) for r in rows)
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    labels = torch.full_like(input_ids, -100)
-    prompt_mask = torch.zeros_like(input_ids)
-    for i, (row, p) in enumerate(zip(rows, prompt_lengths)):
-        start = width - len(row) if padding_side == "left" else 0
-        input_ids[i, start : start + len(row)] = row
-        attention_mask[i, start : start + len(row)] = 1
-        labels[i, start + p : start + len(row)] = row[p:]
-        prompt_mask[i, start : start + p] = 1
-    return rows, dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels), prompt_mask
-
-
-def reference_batch(model, rows, prompt_lengths):
-    """Per-row reference: answer logits of each row and the batch loss (mean over all supervised tokens)."""
-    results = [reference_row(model, row, p) for row, p in zip(rows, prompt_lengths)]
-    total = sum(len(row) - p for row, p in zip(rows, prompt_lengths))
-    loss = sum(loss_sum for _, loss_sum in results) / total
-    return [logits for logits, _ in results], loss
-
-
-def answer_logits(logits, batch, rows, prompt_lengths):
-    """The output logits at x_P..end of each row (positions aligned with the input)."""
-    out = []
-    for i, (row, p) in enumerate(zip(rows, prompt_lengths)):
-        start = int(batch["attention_mask"][i].argmax())
-        out.append(logits[i, start + p - 1 : start + len(row)])
-    return out
-
-
-def trainable_grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+def make_batch(padding_side: str, **kwargs):
+    return padded_batch(padding_side, VOCAB, **kwargs)
 
 
 def assert_matches_reference(model, padding_side, tolerance: Tolerance = float32_sums(1e-5), reference=None):

@@ -1,0 +1,240 @@
+"""
+Peak memory of one training step, LoRA against Bitune, each with its loss computed the way its trainer computes it.
+
+    python benchmarks/training_memory.py --json docs/results/training_memory.json   # every shape (about 20 minutes)
+    python benchmarks/training_memory.py --shapes smollm2-135m --dtype float32
+
+The peak is the bytes allocated during one step (forward, loss, TRL's metrics, backward) above what was allocated
+before it (`measure.peak_bytes_during`: the weights and the batch are not counted). Methods:
+
+- `lora`: TRL's `SFTTrainer` (1.16): its fused LM head (`trl.trainer.utils.add_fused_lm_head`) projects only the
+  supervised positions, in tiles, and returns per-token log-probabilities; the loss is their negated mean.
+- `lora_full_logits`: `model(**batch).loss`, transformers' own loss, with logits at every position (a plain
+  `Trainer`, or TRL before the fused head). Skipped where those logits alone would pass `--memory_cap_gib`.
+- `bitune`: `BituneSFTTrainer`: `model(**batch, num_items_in_batch=n).loss`, then TRL's metrics (entropy, token
+  accuracy) from the supervised logits, without gradient.
+
+Shapes too deep for the machine are built at full width with `--layers` decoder layers (1 and 2 by default) and
+extrapolated linearly to their full depth: every decoder layer adds the same activations, so the peak is
+`peak(1) + (L - 1) * (peak(2) - peak(1))`. The matrix products' arithmetic is skipped (`--arithmetic skip`, the
+default): their outputs are allocated at their real shape and dtype and left zero, so every allocation is the real
+one while the step takes seconds instead of many minutes on a CPU; `tests/test_training_memory.py` checks that it
+gives exactly the peak of the full arithmetic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import peft  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from peft import get_peft_model  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from measure import SkipMatmulArithmetic, peak_bytes_during  # noqa: E402
+from models import REAL_SHAPES, TINY_SHAPES, RealShape, lora_config, random_base, training_batch  # noqa: E402
+from peft_bitune import BituneConfig, compat  # noqa: E402
+
+METHODS = ("lora", "lora_full_logits", "bitune")
+GIB = 2**30
+# The shapes measured in full, and those measured at a few layers and extrapolated to their full depth.
+FULL_DEPTH = ("smollm2-135m", "gemma-3-270m")
+EXTRAPOLATED = ("llama-3-8b", "gemma-7b")
+
+
+def prepared_model(base: torch.nn.Module, method: str, checkpointing: bool) -> torch.nn.Module:
+    """Wrap `base` (consumed) for `method`, in training mode, with non-reentrant checkpointing if asked."""
+    if method == "lora":
+        from trl.trainer.utils import add_fused_lm_head  # TRL is only needed for this method
+
+        add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))  # what SFTTrainer adds
+    config = BituneConfig(adapter_config=lora_config()) if method == "bitune" else lora_config()
+    model = get_peft_model(base, config)
+    if checkpointing:
+        compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
+    return model.train()
+
+
+def step_function(model: torch.nn.Module, method: str, batch: dict[str, torch.Tensor]) -> Callable[[], None]:
+    """One training step of `method` on `batch`, its loss computed as its trainer computes it."""
+
+    def lora() -> None:  # trl.SFTTrainer.compute_loss, default "nll" loss
+        outputs = model(**batch, use_cache=False, fused_lm_head=True)
+        loss = (-outputs.log_probs).sum() / outputs.label_mask.sum().clamp(min=1)
+        loss.backward()
+
+    def lora_full_logits() -> None:  # transformers.Trainer.compute_loss
+        model(**batch, use_cache=False).loss.backward()
+
+    def bitune() -> None:  # trl_integration.BituneSFTTrainer.compute_loss, default "nll" loss, and its metrics
+        from trl.trainer.utils import entropy_from_logits
+
+        labels = batch["labels"]
+        outputs = model(**batch, num_items_in_batch=(labels != -100).sum())
+        target_mask = labels[:, 1:] != -100
+        with torch.no_grad():
+            target_logits = outputs.logits[:, :-1][target_mask]
+            entropy_from_logits(target_logits).sum()
+            (target_logits.argmax(dim=-1) == labels[:, 1:][target_mask]).sum()
+            del target_logits
+        outputs.loss.backward()
+
+    steps = {"lora": lora, "lora_full_logits": lora_full_logits, "bitune": bitune}
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        steps[method]()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def full_logits_bytes(config, batch_size: int, length: int, dtype: torch.dtype) -> int:
+    """What transformers' loss holds at once over every position: the logits, their float32 copy, the float32
+    log-softmax and its gradient."""
+    vocab = config.get_text_config().vocab_size
+    return batch_size * length * vocab * (torch.finfo(dtype).bits // 8 + 3 * 4)
+
+
+def base_model(config, device: torch.device, dtype: torch.dtype, initialise: bool) -> torch.nn.Module:
+    """A random base model, or, when the arithmetic is skipped anyway, one whose weights are allocated but never
+    initialised (drawing billions of random numbers takes minutes on a CPU, and memory does not depend on them)."""
+    if initialise:
+        return random_base(config, device, dtype, "sdpa")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    model.to_empty(device=device)
+    with torch.no_grad():  # zeros, not whatever the memory held (denormal garbage makes element-wise ops crawl)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.zero_()
+    return model
+
+
+def measure_method(config, method: str, checkpointing: bool, batch_shape: tuple[int, int, int],
+                   device: torch.device, dtype: torch.dtype, skip_arithmetic: bool) -> int:
+    """Peak bytes of one step of `method` on a fresh random model of `config` (built, measured, freed)."""
+    model = prepared_model(base_model(config, device, dtype, initialise=not skip_arithmetic), method, checkpointing)
+    batch = training_batch(*batch_shape, config.get_text_config().vocab_size, device)
+    step = step_function(model, method, batch)
+    measured = (lambda: SkipMatmulArithmetic.around(step)) if skip_arithmetic else step
+    measured()  # warm-up: lazily made buffers (rotary tables, LoRA's dropout identity) are not the step's own
+    return peak_bytes_during(measured, device)
+
+
+def measure_shape(shape: RealShape, layer_counts: list[int] | None, batch_shape: tuple[int, int, int],
+                  device: torch.device, dtype: torch.dtype, skip_arithmetic: bool, memory_cap_gib: float,
+                  methods: tuple[str, ...] = METHODS, log: Callable[[str], None] = print) -> dict:
+    """Every method with and without checkpointing on `shape`: peaks in bytes, in full or extrapolated per layer."""
+    batch_size, prompt, answer = batch_shape
+    counts = layer_counts or [shape.num_hidden_layers]
+    result = {"num_hidden_layers": shape.num_hidden_layers, "measured_layers": counts,
+              "extrapolated": counts != [shape.num_hidden_layers], "peak_bytes": {}, "measured_peak_bytes": {},
+              "skipped": {}}
+    for checkpointing in (True, False):
+        for method in methods:
+            key = f"{method}{'_checkpointing' if checkpointing else ''}"
+            if method == "lora_full_logits":
+                needed = full_logits_bytes(shape.config(counts[0]), batch_size, prompt + answer, dtype)
+                if needed > memory_cap_gib * GIB:
+                    result["skipped"][key] = (f"its logits over every position alone take {needed / GIB:.1f} GiB, "
+                                              f"over --memory_cap_gib {memory_cap_gib}")
+                    continue
+            peaks = {}
+            for layers in counts:
+                peaks[layers] = measure_method(shape.config(layers), method, checkpointing, batch_shape, device,
+                                               dtype, skip_arithmetic)
+                log(f"{shape.name} {key} at {layers} layers: {peaks[layers] / GIB:.3f} GiB")
+            result["measured_peak_bytes"][key] = {str(layers): peak for layers, peak in peaks.items()}
+            if len(counts) == 1:
+                result["peak_bytes"][key] = peaks[counts[0]]
+            else:
+                (low, peak_low), (high, peak_high) = sorted(peaks.items())[:1] + sorted(peaks.items())[-1:]
+                per_layer = (peak_high - peak_low) / (high - low)
+                result.setdefault("per_layer_bytes", {})[key] = per_layer
+                result["peak_bytes"][key] = round(peak_low + (shape.num_hidden_layers - low) * per_layer)
+    peaks = result["peak_bytes"]
+    result["bitune_over_lora"] = {
+        setting: peaks[f"bitune{setting}"] / peaks[f"lora{setting}"] for setting in ("", "_checkpointing")
+        if f"lora{setting}" in peaks and f"bitune{setting}" in peaks
+    }
+    return result
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    shapes = {**REAL_SHAPES, **TINY_SHAPES}
+    parser.add_argument("--shapes", nargs="+", default=[*FULL_DEPTH, *EXTRAPOLATED], choices=sorted(shapes))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 2],
+                        help="layer counts for the extrapolated shapes (default 1 2)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--answer", type=int, default=256)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--arithmetic", default="skip", choices=["skip", "run"],
+                        help="skip the matrix products' arithmetic (same allocations, see above) or run it")
+    parser.add_argument("--memory_cap_gib", type=float, default=3.0,
+                        help="skip `lora_full_logits` where its logits alone would take more than this")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.json is not None and not args.json.parent.is_dir():
+        parser.error(f"--json: the folder {args.json.parent} does not exist; create it or write elsewhere.")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda was asked for, but this torch build sees no CUDA device.")
+    if len(set(args.layers)) < 2 or min(args.layers) < 1:
+        parser.error(f"--layers needs two different layer counts of at least 1 to extrapolate, got {args.layers}.")
+    if min(args.batch, args.prompt, args.answer) < 1 or args.prompt < 2:
+        parser.error("--batch and --answer must be at least 1 and --prompt at least 2 (Bitune mixes P - 1 tokens).")
+    args.shapes = [shapes[name] for name in args.shapes]
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # several threads per process on a shared CPU wait at every barrier (benchmarks/README)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    batch_shape = (args.batch, args.prompt, args.answer)
+    report = {
+        "settings": {"batch_size": args.batch, "prompt_length": args.prompt, "answer_length": args.answer,
+                     "dtype": args.dtype, "device": args.device, "arithmetic": args.arithmetic,
+                     "lora_rank": lora_config().r, "methods": args.methods, "attn_implementation": "sdpa",
+                     "layers": args.layers},
+        "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
+                        "peft": peft.__version__, "python": sys.version.split()[0], "machine": platform.machine()},
+        "shapes": {},
+    }
+    for shape in args.shapes:
+        layer_counts = sorted(set(args.layers)) if shape.name in EXTRAPOLATED else None
+        report["shapes"][shape.name] = measure_shape(shape, layer_counts, batch_shape, device, dtype,
+                                                     args.arithmetic == "skip", args.memory_cap_gib,
+                                                     tuple(args.methods))
+        if args.json:  # after each shape, so that a long run keeps what it has measured
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(table(report))
+    return report
+
+
+def table(report: dict) -> str:
+    """Peak GiB per shape and method, with and without checkpointing."""
+    columns = [f"{m}{c}" for c in ("_checkpointing", "") for m in METHODS]
+    lines = ["shape            " + " ".join(f"{c:>29}" for c in columns)]
+    for name, shape in report["shapes"].items():
+        cells = [f"{shape['peak_bytes'][c] / GIB:29.2f}" if c in shape["peak_bytes"] else f"{'-':>29}"
+                 for c in columns]
+        lines.append(f"{name:16} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

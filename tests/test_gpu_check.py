@@ -1,0 +1,198 @@
+"""benchmarks/gpu_check.py, benchmarks/training_memory.py and benchmarks/sdpa_backends.py: the GPU check runs every
+part on tiny shapes on the CPU and writes every field; bad input is refused before anything is built; the memory
+measurement's shortcuts give exactly what they stand for. Timings are never asserted here."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import gpu_check  # noqa: E402
+import sdpa_backends  # noqa: E402
+import training_memory  # noqa: E402
+from models import REAL_SHAPES, TINY_SHAPES, build_pair, training_batch  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def positive_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.slow
+def test_smoke_run_on_the_cpu_writes_every_field(tmp_path):
+    out = tmp_path / "gpu.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--smoke",
+                             "--peak_tflops", "0.1", "--json", str(out)], capture_output=True, text=True, env=env,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert "exact" in result.stdout and "math fallback" in result.stdout  # the table
+    assert report["peak_bf16_tflops"] == 0.1 and report["settings"]["smoke"] is True
+    assert set(report["environment"]) >= {"torch", "transformers", "peft", "python", "flash_attn_importable"}
+    assert list(report["shapes"]) == ["tiny-gemma", "tiny-llama"]
+    assert report["summary"] == {"exact": True, "math_fallbacks": {"tiny-gemma": [], "tiny-llama": []},
+                                 "skipped": []}
+    for shape in report["shapes"].values():
+        exactness = shape["exactness"]
+        for part in ("forward_left_padded", "forward_right_padded"):
+            assert exactness[part]["exact"] is True, exactness[part]
+            assert set(exactness[part]["max_abs_difference"]["gradients"]) == {"bidirectional", "causal", "mixing"}
+        assert exactness["generate"]["exact"] is True and len(exactness["generate"]["rows"]) == 4
+
+        gradients = shape["bf16_gradients"]
+        assert set(gradients["lora"]) == {"lora weights"}
+        assert set(gradients["bitune"]) == {"bidirectional weights", "causal weights", "mixing scalars"}
+        for agreement in [*gradients["lora"].values(), *gradients["bitune"].values()]:
+            assert -1 <= agreement["cosine"] <= 1 and positive_finite(agreement["norm_ratio"])
+
+        for setting in ("no_checkpointing", "checkpointing"):
+            train = shape["speed"]["train"][setting]
+            assert (train["batch_size"], train["prompt_length"], train["answer_length"]) == (2, 16, 8)
+            for value in (train["time"]["ratio"], train["time_ratio_median"], train["linear_flop_ratio"],
+                          train["lora_peak_bytes"], train["bitune_peak_bytes"],
+                          *train["achieved_linear_tflops"].values(), *train["model_flop_utilisation"].values()):
+                assert positive_finite(value), train
+        assert set(shape["speed"]["generation"]) == {"batch_1", "batch_16"}
+        for cell in shape["speed"]["generation"].values():
+            assert positive_finite(cell["prefill"]["median_ratio"]) and positive_finite(cell["decode"]["median_ratio"])
+
+        kernels = shape["attention_kernels"]
+        for run, passes in (("training_without_padding", ("bidirectional_prompt", "causal_prompt", "answer")),
+                            ("training_with_padding", ("bidirectional_prompt", "causal_prompt", "answer")),
+                            ("generation", ("bidirectional_prompt", "causal_prompt", "decoding"))):
+            for name in passes:
+                seen = kernels[run][name]
+                assert seen["calls"] > 0 and seen["math_fallback"] is False and set(seen["backends"]) == {"cpu_flash"}
+        assert shape["flash_attention_2"]["importable"] in (True, False)
+
+        memory = shape["memory"]
+        assert memory["checkpointing"] is True and set(memory["peak_bytes"]) == set(training_memory.METHODS)
+        assert all(positive_finite(peak) for peak in memory["peak_bytes"].values())
+        assert memory["bitune_over_lora"] == memory["peak_bytes"]["bitune"] / memory["peak_bytes"]["lora"]
+
+
+def test_cuda_without_a_gpu_is_refused_in_one_line_before_any_model_is_built(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gpu_check, "random_base", lambda *args, **kwargs: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--device", "cuda"])
+    message = str(exit_info.value.code)
+    assert "--device cuda" in message and "no CUDA device" in message and "\n" not in message
+
+
+def test_shapes_that_do_not_fit_are_refused_in_one_line_before_any_model_is_built(monkeypatch):
+    monkeypatch.setattr(gpu_check, "random_base", lambda *args, **kwargs: pytest.fail("a model was built"))
+    monkeypatch.setattr(gpu_check, "build_pair", lambda *args, **kwargs: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--device", "cpu", "--memory_gib", "4"])
+    message = str(exit_info.value.code)
+    assert message.startswith("gpu_check: the gemma-2b shape needs about ") and "4.0 GiB is free" in message
+    assert "\n" not in message
+    # The smoke shapes fit in the same memory.
+    assert gpu_check.refusal(gpu_check.parse_args(["--device", "cpu", "--memory_gib", "4", "--smoke"]),
+                             gpu_check.Plan(smoke=True)) is None
+
+
+def test_a_missing_json_folder_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--device", "cpu", "--smoke", "--json", str(tmp_path / "missing" / "gpu.json")])
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_parameter_count_behind_the_refusal_is_the_models():
+    from transformers import AutoModelForCausalLM
+
+    for shape in (REAL_SHAPES["gemma-2b"], REAL_SHAPES["llama-3-8b"]):
+        config = shape.config(4)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        actual = sum(p.numel() for p in model.parameters())
+        assert actual * 0.999 < gpu_check.parameter_count(config) <= actual  # norms left out
+
+
+def test_a_part_past_its_budget_is_skipped_not_run():
+    budget = gpu_check.Budget({"speed": 0.0})
+    assert budget.run("speed", lambda: pytest.fail("ran"), print) == {
+        "skipped": "the part's time budget (0.0 s) was used up"}
+
+
+def test_real_shapes_are_the_published_models():
+    """Parameter counts of the published models (built on the meta device: no memory, no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    expected = {"smollm2-135m": 134_515_008, "gemma-3-270m": 268_098_176, "gemma-2b": 2_506_172_416,
+                "gemma-7b": 8_537_680_896, "llama-3-8b": 8_030_261_248}
+    for name, count in expected.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(REAL_SHAPES[name].config())
+        assert sum(p.numel() for p in model.parameters()) == count, name
+
+
+# -------------------------------------------------------------------------------------------- attention kernels
+def test_sdpa_backends_are_told_apart_and_the_math_fallback_is_flagged():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    pair = build_pair(TINY_SHAPES["tiny-llama"].config(), CPU, torch.float32, "sdpa")
+    model = pair.bitune.train()
+    batch = training_batch(2, 9, 4, 512, CPU)
+    calls = sdpa_backends.recorded_calls(lambda: model(**batch).loss.backward())
+    passes = sdpa_backends.bitune_training_passes(calls, num_layers=2)
+    assert passes["bidirectional_prompt"]["query_key_lengths"] == [(8, 8)]
+    assert passes["answer"]["query_key_lengths"] == [(5, 13)] and passes["answer"]["calls"] == 2
+    assert not any(seen["math_fallback"] for seen in passes.values())
+    with sdpa_kernel([SDPBackend.MATH]):
+        calls = sdpa_backends.recorded_calls(lambda: model(**batch).loss.backward())
+    passes = sdpa_backends.bitune_training_passes(calls, num_layers=2)
+    assert all(seen["math_fallback"] and set(seen["backends"]) == {"math"} for seen in passes.values())
+    assert passes["answer"]["query_key_lengths"] == [(5, 13)]
+
+
+# -------------------------------------------------------------------------------------------- training memory
+def test_skipping_the_matmul_arithmetic_gives_exactly_the_measured_peak():
+    config = TINY_SHAPES["tiny-gemma"].config()
+    for method in training_memory.METHODS:
+        for checkpointing in (True, False):
+            peaks = [training_memory.measure_method(config, method, checkpointing, (2, 8, 4), CPU, torch.bfloat16,
+                                                    skip_arithmetic=skip) for skip in (True, False)]
+            assert peaks[0] == peaks[1] > 0, (method, checkpointing, peaks)
+
+
+def test_per_layer_extrapolation_reaches_the_peak_measured_at_full_depth():
+    shape = TINY_SHAPES["tiny-llama"]  # 2 layers: measured at 1 and 2, extrapolated to 2
+    result = training_memory.measure_shape(shape, [1, 2], (2, 8, 4), CPU, torch.bfloat16, True, 1.0,
+                                           methods=("bitune", "lora"), log=lambda line: None)
+    assert result["extrapolated"] is True and result["measured_layers"] == [1, 2]
+    for key in ("bitune", "bitune_checkpointing", "lora", "lora_checkpointing"):
+        measured = result["measured_peak_bytes"][key]
+        assert result["peak_bytes"][key] == measured["2"]
+        assert result["per_layer_bytes"][key] == measured["2"] - measured["1"]
+    assert result["bitune_over_lora"]["_checkpointing"] == (
+        result["peak_bytes"]["bitune_checkpointing"] / result["peak_bytes"]["lora_checkpointing"])
+
+
+def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, capsys):
+    out = tmp_path / "memory.json"
+    report = training_memory.main(["--shapes", "tiny-gemma", "--batch", "2", "--prompt", "8", "--answer", "4",
+                                    "--memory_cap_gib", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    shape = report["shapes"]["tiny-gemma"]
+    assert set(shape["peak_bytes"]) == {f"{m}{c}" for m in training_memory.METHODS for c in ("", "_checkpointing")}
+    assert report["settings"]["dtype"] == "bfloat16" and report["settings"]["arithmetic"] == "skip"
+    for argv, words in ((["--layers", "2", "2"], "two different layer counts"),
+                        (["--prompt", "1"], "--prompt at least 2"),
+                        (["--json", str(tmp_path / "missing" / "m.json")], "does not exist")):
+        with pytest.raises(SystemExit):
+            training_memory.main(argv)
+        assert words in capsys.readouterr().err
