@@ -456,8 +456,8 @@ def _larger_budget(merged_report: dict, model: str, rows_of) -> dict:
     runs = {method: {seed: {"train_loss": 1.0, "loss_curve": [[10, 2.0], [600, 1.0]],
                             "test": {"rows": {task: rows_of(method, seed, at_200["lora"][seed][task])
                                               for task in n_test}}}
-                     for seed in at_200["lora"]} for method in ("lora", "lora_r16", "bitune")}
-    for record in runs["bitune"].values():
+                     for seed in at_200["lora"]} for method in ("lora", "lora_r16", "bitune", "bitune_lr_ratios")}
+    for record in [*runs["bitune"].values(), *runs["bitune_lr_ratios"].values()]:
         record["alphas"] = {"keys": [0.2, 0.3], "values": [0.1, 0.4]}
     return {"model": model, "tasks": merged_report["tasks"], "n_test": n_test, "settings": settings, "runs": runs}
 
@@ -469,7 +469,7 @@ def test_budget_report_puts_both_budgets_side_by_side_with_paired_intervals(tmp_
 
     def rows_of(method, seed, lora_rows_at_200):  # LoRA as at 200 steps; Bitune always right, LoRA r=16 never
         return {"lora": lora_rows_at_200, "bitune": "1" * len(lora_rows_at_200),
-                "lora_r16": "0" * len(lora_rows_at_200)}[method]
+                "bitune_lr_ratios": "1" * len(lora_rows_at_200), "lora_r16": "0" * len(lora_rows_at_200)}[method]
 
     later = tmp_path / "600.json"
     later.write_text(json.dumps(_larger_budget(merged_report, model, rows_of)))
@@ -482,6 +482,7 @@ def test_budget_report_puts_both_budgets_side_by_side_with_paired_intervals(tmp_
     differences = report["differences"]
     assert differences["Bitune − LoRA r=16, 600 steps"]["average"] == {"mean": 1.0, "ci95": [1.0, 1.0],
                                                                        "verdict": "ahead"}
+    assert differences["Bitune, separate rates − Bitune, 600 steps"]["average"]["mean"] == 0
     unchanged = differences["LoRA, 600 − 200 steps"]["average"]
     assert unchanged["mean"] == 0 and unchanged["ci95"][0] < 0 < unchanged["ci95"][1]
     assert unchanged["verdict"] == "level"
@@ -505,6 +506,10 @@ def test_budget_report_refuses_budgets_scored_on_other_test_rows(tmp_path):
         budget.merge([merged_report, later])
     with pytest.raises(SystemExit, match="merged JSON .* first"):
         budget.merge([later, merged_report])
+    later["settings"]["test_rows"] = merged_report["models"]["SmolLM2-135M-Instruct"]["settings"]["test_rows"]
+    later["runs"]["bitune_mixing_warmup"] = later["runs"]["bitune"]
+    with pytest.raises(SystemExit, match="also hold bitune_mixing_warmup"):
+        budget.merge([merged_report, later])
 
 
 def test_bf16_runs_are_kept_apart_and_float32_keys_do_not_change(installed_fake_wheels, tmp_path):

@@ -1,17 +1,18 @@
 """
 The larger budget's report (docs/paper_tasks.md, "A larger budget and a parameter-matched LoRA"): the 200-step
-results (the merged report of report.py) beside a 600-step run of run.py with LoRA, LoRA r=16 and Bitune, on the same
-test rows. It writes one JSON with every run's outcomes, draws the loss curves and the learned alphas, and prints the
-page's tables.
+results (the merged report of report.py) beside a 600-step run of run.py with LoRA, LoRA r=16, Bitune and the
+variant that validation chose (separate learning rates), on the same test rows. It writes one JSON with every run's
+outcomes, draws the loss curves and the learned alphas, and prints the page's tables.
 
     python examples/paper_tasks/run.py --base smollm2 --steps 600 --train_rows 4800 --validation_rows_per_task 100 \
-        --methods lora lora_r16 bitune_near_causal --bitune_lr_from_lora --work_dir out/paper_tasks/smollm2 \
-        --json out/paper_smollm2_600.json
+        --methods lora lora_r16 bitune_near_causal bitune_lr_ratios --bitune_lr_from_lora \
+        --work_dir out/paper_tasks/smollm2 --json out/paper_smollm2_600.json
     python examples/paper_tasks/budget_report.py docs/results/paper_tasks.json out/paper_smollm2_600.json \
         --json docs/results/paper_tasks_budget.json --images docs/images/paper_tasks_budget
 
-Every difference is report.py's paired bootstrap (test rows paired, seeds resampled): Bitune against LoRA and
-against LoRA r=16 at each budget, and each method's 600-step runs against its 200-step runs.
+Every difference is report.py's paired bootstrap (test rows paired, seeds resampled): Bitune and the variant against
+LoRA and against LoRA r=16 at each budget, the variant against Bitune, and each method's 600-step runs against its
+200-step runs.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("lora", "lora_r16", "bitune")
-TITLES = {"lora": "LoRA", "lora_r16": "LoRA r=16", "bitune": "Bitune"}
+METHODS = ("lora", "lora_r16", "bitune", "bitune_lr_ratios")
+TITLES = {"lora": "LoRA", "lora_r16": "LoRA r=16", "bitune": "Bitune", "bitune_lr_ratios": "Bitune, separate rates"}
+# (method, control): each difference reported at every budget that ran both
+COMPARISONS = (("bitune", "lora"), ("bitune", "lora_r16"), ("bitune_lr_ratios", "lora"),
+               ("bitune_lr_ratios", "lora_r16"), ("bitune_lr_ratios", "bitune"))
 KEPT = ("train_loss", "train_seconds", "seconds_per_step", "loss_curve", "alphas", "alpha_mean_curve")
 
 
@@ -48,6 +52,10 @@ def _from_merged_report(report: dict, model: str) -> dict:
 
 def _from_run(results: dict) -> dict:
     """One budget's runs out of run.py's --json."""
+    unknown = sorted(set(results["runs"]) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"This report compares {', '.join(METHODS)}; the results also hold {', '.join(unknown)}: "
+                         "leave them out of run.py's --methods.")
     runs = {method: {seed: {"rows": record["test"]["rows"], **{key: record[key] for key in KEPT if key in record}}
                      for seed, record in results["runs"][method].items()}
             for method in METHODS if method in results["runs"]}
@@ -90,10 +98,10 @@ def merge(inputs: list[dict]) -> dict:
             accuracies[steps][method] = per_task
     differences = {}
     for steps, budget in budgets.items():
-        for control in ("lora", "lora_r16"):
-            if {"bitune", control} <= set(budget["runs"]):
-                differences[f"Bitune − {TITLES[control]}, {steps} steps"] = bootstrap(
-                    _outcomes(budget, "bitune", tasks), _outcomes(budget, control, tasks))
+        for method, control in COMPARISONS:
+            if {method, control} <= set(budget["runs"]):
+                differences[f"{TITLES[method]} − {TITLES[control]}, {steps} steps"] = bootstrap(
+                    _outcomes(budget, method, tasks), _outcomes(budget, control, tasks))
     (shortest_steps, _), *longer = budgets.items()
     for steps, budget in longer:
         for method in METHODS:
@@ -146,7 +154,7 @@ def figures(report: dict, prefix: str) -> list[str]:
             if alphas:
                 for kind, marker in (("keys", "o"), ("values", "x")):
                     alpha_axis.plot(np.mean([a[kind] for a in alphas], axis=0), f"C{color}{style}", marker=marker,
-                                    markersize=3, label=f"{kind}, {steps} steps")
+                                    markersize=3, label=f"{TITLES[method]}, {kind}, {steps} steps")
     loss_axis.set(xlabel="step", ylabel="training loss (answer tokens)", title=f"{report['model']}: mean over seeds")
     alpha_axis.set(xlabel="layer", ylabel="learned α (mean over seeds)", title="Bitune's learned α per layer")
     for axis in (loss_axis, alpha_axis):
