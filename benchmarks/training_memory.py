@@ -7,8 +7,11 @@ Peak memory of one training step, LoRA against Bitune, each with its loss comput
 The peak is the bytes allocated during one step (forward, loss, TRL's metrics, backward) above what was allocated
 before it (`measure.peak_bytes_during`: the weights and the batch are not counted). Methods:
 
-- `lora`: TRL's `SFTTrainer` (1.16): its fused LM head (`trl.trainer.utils.add_fused_lm_head`) projects only the
-  supervised positions, in tiles, and returns per-token log-probabilities; the loss is their negated mean.
+- `lora`: TRL's `SFTTrainer` (1.16): its fused LM head (`trl.trainer.utils.add_fused_lm_head`) projects through the
+  LM head in tiles and returns per-token log-probabilities; the loss is their negated mean. With Triton (CUDA) it
+  scores the supervised positions only and folds each tile in its kernel; on a CPU it scores every position and folds
+  each tile in torch, with float32 temporaries of the tile's size. The report's `lora_fused_head` gives that head's
+  own peak on the device measured, so that a CPU figure can be read for a GPU.
 - `lora_full_logits`: `model(**batch).loss`, transformers' own loss, with logits at every position (a plain
   `Trainer`, or TRL before the fused head). Skipped where those logits alone would pass `--memory_cap_gib`.
 - `bitune`: `BituneSFTTrainer`: `model(**batch, num_items_in_batch=n).loss`, then TRL's metrics (entropy, token
@@ -18,7 +21,7 @@ Shapes too deep for the machine are built at full width with `--layers` decoder 
 extrapolated linearly to their full depth: every decoder layer adds the same activations, so the peak is
 `peak(1) + (L - 1) * (peak(2) - peak(1))`. The matrix products' arithmetic is skipped (`--arithmetic skip`, the
 default): their outputs are allocated at their real shape and dtype and left zero, so every allocation is the real
-one while the step takes seconds instead of many minutes on a CPU; `tests/test_training_memory.py` checks that it
+one while the step takes seconds instead of many minutes on a CPU; `tests/test_gpu_check.py` checks that it
 gives exactly the peak of the full arithmetic.
 """
 
@@ -99,6 +102,32 @@ def step_function(model: torch.nn.Module, method: str, batch: dict[str, torch.Te
     return step
 
 
+def fused_head_bytes(config, batch_shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype,
+                     skip_arithmetic: bool) -> tuple[int, int]:
+    """TRL's fused LM head alone (forward and backward of `trl.kernels.ChunkedLogProbFunction`, as `lora` calls it):
+    its peak bytes on `device` and the positions it scores. Why: off Triton devices (a CPU) TRL scores every position
+    and folds each vocabulary tile with float32 temporaries in torch, which dominates LoRA's step on a CPU; with Triton
+    (CUDA) it scores the answer positions only and folds in the kernel, holding one tile."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction, _use_triton
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    batch_size, prompt, answer = batch_shape
+    text_config = config.get_text_config()
+    positions = batch_size * (answer if _use_triton(device) else prompt + answer - 1)
+    hidden = torch.zeros(positions, text_config.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.zeros(text_config.vocab_size, text_config.hidden_size, device=device, dtype=dtype)
+    targets = torch.zeros(positions, dtype=torch.long, device=device)
+
+    def head() -> None:
+        log_probs = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE,
+                                                 None, 1.0, ("log_probs", "entropy", "is_top1"))[0]
+        (-log_probs).sum().backward()
+        hidden.grad = None
+
+    measured = (lambda: SkipMatmulArithmetic.around(head)) if skip_arithmetic else head
+    return peak_bytes_during(measured, device), positions
+
+
 def full_logits_bytes(config, batch_size: int, length: int, dtype: torch.dtype) -> int:
     """What transformers' loss holds at once over every position: the logits, their float32 copy, the float32
     log-softmax and its gradient."""
@@ -162,6 +191,10 @@ def measure_shape(shape: RealShape, layer_counts: list[int] | None, batch_shape:
                 per_layer = (peak_high - peak_low) / (high - low)
                 result.setdefault("per_layer_bytes", {})[key] = per_layer
                 result["peak_bytes"][key] = round(peak_low + (shape.num_hidden_layers - low) * per_layer)
+    if "lora" in methods:
+        head_bytes, positions = fused_head_bytes(shape.config(counts[0]), batch_shape, device, dtype, skip_arithmetic)
+        result["lora_fused_head"] = {"peak_bytes": head_bytes, "positions": positions}
+        log(f"{shape.name} TRL's fused head alone ({positions} positions): {head_bytes / GIB:.3f} GiB")
     peaks = result["peak_bytes"]
     result["bitune_over_lora"] = {
         setting: peaks[f"bitune{setting}"] / peaks[f"lora{setting}"] for setting in ("", "_checkpointing")

@@ -167,6 +167,9 @@ def test_skipping_the_matmul_arithmetic_gives_exactly_the_measured_peak():
             peaks = [training_memory.measure_method(config, method, checkpointing, (2, 8, 4), CPU, torch.bfloat16,
                                                     skip_arithmetic=skip) for skip in (True, False)]
             assert peaks[0] == peaks[1] > 0, (method, checkpointing, peaks)
+    heads = [training_memory.fused_head_bytes(config, (2, 8, 4), CPU, torch.bfloat16, skip_arithmetic=skip)
+             for skip in (True, False)]
+    assert heads[0] == heads[1] and heads[0][0] > 0
 
 
 def test_per_layer_extrapolation_reaches_the_peak_measured_at_full_depth():
@@ -190,6 +193,9 @@ def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, c
     shape = report["shapes"]["tiny-gemma"]
     assert set(shape["peak_bytes"]) == {f"{m}{c}" for m in training_memory.METHODS for c in ("", "_checkpointing")}
     assert report["settings"]["dtype"] == "bfloat16" and report["settings"]["arithmetic"] == "skip"
+    head = shape["lora_fused_head"]  # on a CPU, TRL's head scores every position (no Triton): part of LoRA's step
+    assert head["positions"] == 2 * (8 + 4 - 1)
+    assert 0 < head["peak_bytes"] <= shape["peak_bytes"]["lora"]
     for argv, words in ((["--layers", "2", "2"], "two different layer counts"),
                         (["--prompt", "1"], "--prompt at least 2"),
                         (["--json", str(tmp_path / "missing" / "m.json")], "does not exist")):
