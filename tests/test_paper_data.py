@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
@@ -495,6 +496,25 @@ def test_budget_report_puts_both_budgets_side_by_side_with_paired_intervals(tmp_
             in table)
     assert "| Bitune − LoRA r=16, 600 steps | +100.0 [+100.0, +100.0] |" in table
     assert (tmp_path / "images" / "budget.png").is_file()
+
+
+def test_budget_report_puts_bf16_runs_beside_float32_ones(tmp_path):
+    budget = load_example("budget_report")
+    merged_report = json.loads((REPOSITORY / "docs" / "results" / "paper_tasks.json").read_text())
+    model = "SmolLM2-135M-Instruct"
+    bf16 = _larger_budget(merged_report, model, lambda method, seed, rows: "0" * len(rows))  # bf16: always wrong
+    bf16["settings"] = {**merged_report["models"][model]["settings"], "bf16": True}
+    bf16["runs"] = {method: bf16["runs"][method] for method in ("lora", "bitune")}
+    report = budget.merge([merged_report, bf16])
+    assert list(report["budgets"]) == ["200", "200-bf16"]
+    for method, title in (("lora", "LoRA"), ("bitune", "Bitune")):
+        difference = report["differences"][f"{title}, bf16 − float32, 200 steps"]["average"]
+        expected = -np.mean(report["accuracy"]["200"][method]["average"])
+        assert difference["mean"] == pytest.approx(expected) and difference["verdict"] == "behind"
+    assert report["differences"]["Bitune − LoRA, 200 steps, bf16"]["average"]["mean"] == 0
+    assert "| LoRA, 200 steps, bf16 | Bitune, 200 steps, bf16 |" in budget.markdown(report)
+    with pytest.raises(SystemExit, match="both of the setting 200 steps, bf16"):
+        budget.merge([merged_report, bf16, bf16])
 
 
 def test_budget_report_refuses_budgets_scored_on_other_test_rows(tmp_path):
