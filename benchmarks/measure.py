@@ -217,7 +217,8 @@ class SkipMatmulArithmetic(TorchDispatchMode):
     """
     Matrix products (`mm`, `addmm`, `bmm`) and the CPU's fused attention (forward and backward) return zeros of their
     real outputs' shapes, strides and dtypes instead of computing (taken from the operators' meta kernels, run with
-    every dispatch mode off so that no tracker counts them).
+    every dispatch mode off so that no tracker counts them); a product written into a given tensor (`out=`) zeroes
+    that tensor, and one accumulated in place (`addmm_`) leaves it as it was.
 
     Memory does not depend on what the numbers are: every tensor is allocated at its real size all the same, while a
     training step of a multi-billion-parameter shape takes seconds instead of many minutes on a CPU. Only for
@@ -225,12 +226,17 @@ class SkipMatmulArithmetic(TorchDispatchMode):
     tracker sees the zeros it allocates.
     """
 
-    SKIPPED = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+    SKIPPED = ("mm", "addmm", "addmm_", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
                "_scaled_dot_product_flash_attention_for_cpu_backward")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # Only the overloads that allocate their outputs (`mm.out` writes into a tensor it is given).
-        if func._overloadpacket.__name__ not in self.SKIPPED or func._overloadname != "default":
+        if func._overloadpacket.__name__ not in self.SKIPPED:
+            return func(*args, **(kwargs or {}))
+        if func._overloadname == "out":  # writes into a tensor it is given (TRL's fused head): nothing to allocate
+            return kwargs["out"].zero_()
+        if func._overloadpacket.__name__ == "addmm_":  # accumulates into its first argument: left as it is
+            return args[0]
+        if func._overloadname != "default":
             return func(*args, **(kwargs or {}))
         device = next(a.device for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor))
         with _disable_current_modes():

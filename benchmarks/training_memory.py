@@ -269,5 +269,24 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(report: dict) -> str:
+    """docs/training.md's table: peak GiB per shape, with and without checkpointing, Bitune over LoRA (TRL), and TRL's
+    fused head alone on the device measured."""
+    lines = ["| Model (decoder layers measured) | checkpointing | LoRA, TRL's loss | LoRA, transformers' loss "
+             "| Bitune | Bitune / LoRA (TRL) | TRL's head alone |", "| --- | --- |" + " ---: |" * 5]
+    for name, shape in report["shapes"].items():
+        depth = (f"{', '.join(map(str, shape['measured_layers']))} of {shape['num_hidden_layers']}, extrapolated"
+                 if shape["extrapolated"] else f"all {shape['num_hidden_layers']}")
+        head = shape.get("lora_fused_head")
+        for setting, words in (("_checkpointing", "yes"), ("", "no")):
+            cells = [f"{shape['peak_bytes'][key] / GIB:.2f}" if key in shape["peak_bytes"] else "over the cap"
+                     for key in (f"{method}{setting}" for method in METHODS)]
+            ratio = shape["bitune_over_lora"].get(setting)
+            cells += [f"{ratio:.2f}" if ratio is not None else "-",
+                      f"{head['peak_bytes'] / GIB:.2f}" if head else "-"]
+            lines.append(f"| {name} ({depth}) | {words} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     main()

@@ -202,3 +202,13 @@ def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, c
         with pytest.raises(SystemExit):
             training_memory.main(argv)
         assert words in capsys.readouterr().err
+
+
+def test_training_docs_hold_the_committed_memory_measurement():
+    report = json.loads((BENCHMARKS.parent / "docs" / "results" / "training_memory.json").read_text())
+    assert list(report["shapes"]) == [*training_memory.FULL_DEPTH, *training_memory.EXTRAPOLATED]
+    assert report["settings"]["batch_size"] == 4 and report["settings"]["prompt_length"] == 512
+    assert report["settings"]["answer_length"] == 256 and report["settings"]["dtype"] == "bfloat16"
+    assert all("lora_fused_head" in shape for shape in report["shapes"].values())
+    page = (BENCHMARKS.parent / "docs" / "training.md").read_text(encoding="utf-8")
+    assert training_memory.markdown(report) in page
