@@ -3,6 +3,7 @@ Peak memory of one training step, LoRA against Bitune, each with its loss comput
 
     python benchmarks/training_memory.py --json docs/results/training_memory.json   # every shape (about 20 minutes)
     python benchmarks/training_memory.py --shapes smollm2-135m --dtype float32
+    python benchmarks/training_memory.py --json docs/results/training_memory.json --resume  # go on after a stop
 
 The peak is the bytes allocated during one step (forward, loss, TRL's metrics, backward) above what was allocated
 before it (`measure.peak_bytes_during`: the weights and the batch are not counted). Methods:
@@ -220,9 +221,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--memory_cap_gib", type=float, default=3.0,
                         help="skip `lora_full_logits` where its logits alone would take more than this")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the shapes --json already holds (measured with the same settings) and measure only "
+                             "the others: a run stopped part-way (killed, out of memory) goes on in a fresh process")
     args = parser.parse_args(argv)
     if args.json is not None and not args.json.parent.is_dir():
         parser.error(f"--json: the folder {args.json.parent} does not exist; create it or write elsewhere.")
+    if args.resume and (args.json is None or not args.json.is_file()):
+        parser.error("--resume keeps the shapes of an earlier report: give that report's file as --json.")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda was asked for, but this torch build sees no CUDA device.")
     if len(set(args.layers)) < 2 or min(args.layers) < 1:
@@ -247,7 +253,12 @@ def main(argv: list[str] | None = None) -> dict:
                         "peft": peft.__version__, "python": sys.version.split()[0], "machine": platform.machine()},
         "shapes": {},
     }
+    if args.resume:
+        report["shapes"] = earlier_shapes(json.loads(args.json.read_text()), report, [s.name for s in args.shapes])
     for shape in args.shapes:
+        if shape.name in report["shapes"]:
+            print(f"{shape.name}: kept from {args.json}")
+            continue
         layer_counts = sorted(set(args.layers)) if shape.name in EXTRAPOLATED else None
         report["shapes"][shape.name] = measure_shape(shape, layer_counts, batch_shape, device, dtype,
                                                      args.arithmetic == "skip", args.memory_cap_gib,
@@ -256,6 +267,19 @@ def main(argv: list[str] | None = None) -> dict:
             args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(table(report))
     return report
+
+
+def earlier_shapes(earlier: dict, report: dict, names: list[str]) -> dict:
+    """The shapes an earlier report measured, in the order of `names`, if it was measured with the same settings (a
+    resumed report must be one measurement); refuses one that was not."""
+    if earlier.get("settings") != report["settings"]:
+        raise SystemExit(f"--resume: the report was measured with other settings ({earlier.get('settings')}) than "
+                         f"these ({report['settings']}); measure into a new --json file instead.")
+    unknown = sorted(set(earlier["shapes"]) - set(names))
+    if unknown:
+        raise SystemExit(f"--resume: the report holds shapes not asked for now ({', '.join(unknown)}); add them to "
+                         "--shapes so that the report keeps them.")
+    return {name: earlier["shapes"][name] for name in names if name in earlier["shapes"]}
 
 
 def table(report: dict) -> str:

@@ -204,6 +204,29 @@ def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, c
         assert words in capsys.readouterr().err
 
 
+def test_training_memory_resumes_a_report_with_its_measured_shapes_kept(tmp_path, capsys):
+    out = tmp_path / "memory.json"
+    small = ["--batch", "2", "--prompt", "8", "--answer", "4", "--methods", "bitune", "--json", str(out)]
+    first = training_memory.main(["--shapes", "tiny-gemma", *small])
+    kept = first["shapes"]["tiny-gemma"]
+    kept["peak_bytes"]["bitune"] = -1  # a mark: a kept shape is read back, not measured again
+    out.write_text(json.dumps(first))
+    resumed = training_memory.main(["--shapes", "tiny-gemma", "tiny-llama", *small, "--resume"])
+    assert list(resumed["shapes"]) == ["tiny-gemma", "tiny-llama"]
+    assert resumed["shapes"]["tiny-gemma"]["peak_bytes"]["bitune"] == -1
+    assert resumed["shapes"]["tiny-llama"]["peak_bytes"]["bitune"] > 0
+    assert json.loads(out.read_text()) == json.loads(json.dumps(resumed))
+    capsys.readouterr()
+    for argv, words in ((["--shapes", "tiny-llama", *small, "--resume"], "shapes not asked for now (tiny-gemma)"),
+                        (["--shapes", "tiny-gemma", "tiny-llama", *small, "--batch", "3", "--resume"],
+                         "other settings"),
+                        (["--shapes", "tiny-gemma", "--resume", "--json", str(tmp_path / "none.json")],
+                         "give that report's file as --json")):
+        with pytest.raises(SystemExit) as refused:
+            training_memory.main(argv)
+        assert words in str(refused.value) + capsys.readouterr().err
+
+
 def test_training_docs_hold_the_committed_memory_measurement():
     report = json.loads((BENCHMARKS.parent / "docs" / "results" / "training_memory.json").read_text())
     assert list(report["shapes"]) == [*training_memory.FULL_DEPTH, *training_memory.EXTRAPOLATED]
