@@ -517,6 +517,24 @@ def test_budget_report_puts_bf16_runs_beside_float32_ones(tmp_path):
         budget.merge([merged_report, bf16, bf16])
 
 
+def test_the_docs_budget_tables_are_the_committed_report():
+    """docs/paper_tasks.md's 600-step table is what budget_report.py prints for docs/results/paper_tasks_budget.json,
+    and each 600-step run in it has its committed test record."""
+    budget = load_example("budget_report")
+    committed = json.loads((REPOSITORY / "docs" / "results" / "paper_tasks_budget.json").read_text())
+    page = (REPOSITORY / "docs" / "paper_tasks.md").read_text(encoding="utf-8")
+    assert budget.markdown(committed) in page
+    assert (REPOSITORY / "docs" / "images" / "paper_tasks_budget.png").is_file()
+    records = REPOSITORY / "docs" / "results" / "paper_tasks_runs" / "smollm2"
+    for setting, runs in committed["budgets"].items():
+        if setting == "200":  # the page's own runs, checked with docs/results/paper_tasks.json
+            continue
+        for method, seeds in runs["runs"].items():
+            for seed, run in seeds.items():
+                tested = [json.loads(path.read_text()) for path in records.glob(f"*-seed{seed}-test*.json")]
+                assert any(record["rows"] == run["rows"] for record in tested), (setting, method, seed)
+
+
 def test_budget_report_refuses_budgets_scored_on_other_test_rows(tmp_path):
     budget = load_example("budget_report")
     merged_report = json.loads((REPOSITORY / "docs" / "results" / "paper_tasks.json").read_text())
