@@ -1,7 +1,7 @@
 """
 Peak memory of one training step, LoRA against Bitune, each with its loss computed the way its trainer computes it.
 
-    python benchmarks/training_memory.py --json docs/results/training_memory.json   # every shape (about 20 minutes)
+    python benchmarks/training_memory.py --memory_cap_gib 10 --json docs/results/training_memory.json  # all (~45 min)
     python benchmarks/training_memory.py --shapes smollm2-135m --dtype float32
     python benchmarks/training_memory.py --json docs/results/training_memory.json --resume  # go on after a stop
 
