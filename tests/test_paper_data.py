@@ -433,14 +433,20 @@ def test_training_rows_as_a_total_give_a_short_split_all_it_has():
         runner.rows_per_task(60000, available)
 
 
+def _committed_report_on_the_page(example: str, results: str, image: str) -> dict:
+    """docs/results/<results>.json, after checking that docs/paper_tasks.md holds the tables `example`'s `markdown`
+    prints for it and that its figure docs/images/<image>.png is committed."""
+    report = json.loads((REPOSITORY / "docs" / "results" / f"{results}.json").read_text())
+    page = (REPOSITORY / "docs" / "paper_tasks.md").read_text(encoding="utf-8")
+    assert load_example(example).markdown(report) in page
+    assert (REPOSITORY / "docs" / "images" / f"{image}.png").is_file()
+    return report
+
+
 def test_the_docs_recipe_tables_are_the_committed_report():
     """docs/paper_tasks.md's validation table of the recipe variants is what recipes_report.py prints for
     docs/results/paper_tasks_recipes.json, and each run in it has its committed record."""
-    recipes = load_example("recipes_report")
-    committed = json.loads((REPOSITORY / "docs" / "results" / "paper_tasks_recipes.json").read_text())
-    page = (REPOSITORY / "docs" / "paper_tasks.md").read_text(encoding="utf-8")
-    assert recipes.markdown(committed) in page
-    assert (REPOSITORY / "docs" / "images" / "paper_tasks_recipes_0.png").is_file()
+    committed = _committed_report_on_the_page("recipes_report", "paper_tasks_recipes", "paper_tasks_recipes_0")
     records = REPOSITORY / "docs" / "results" / "paper_tasks_runs" / "smollm2"
     for stage in committed["stages"].values():
         for method, runs in stage["runs"].items():
@@ -520,11 +526,7 @@ def test_budget_report_puts_bf16_runs_beside_float32_ones(tmp_path):
 def test_the_docs_budget_tables_are_the_committed_report():
     """docs/paper_tasks.md's 600-step table is what budget_report.py prints for docs/results/paper_tasks_budget.json,
     and each 600-step run in it has its committed test record."""
-    budget = load_example("budget_report")
-    committed = json.loads((REPOSITORY / "docs" / "results" / "paper_tasks_budget.json").read_text())
-    page = (REPOSITORY / "docs" / "paper_tasks.md").read_text(encoding="utf-8")
-    assert budget.markdown(committed) in page
-    assert (REPOSITORY / "docs" / "images" / "paper_tasks_budget.png").is_file()
+    committed = _committed_report_on_the_page("budget_report", "paper_tasks_budget", "paper_tasks_budget")
     records = REPOSITORY / "docs" / "results" / "paper_tasks_runs" / "smollm2"
     for setting, runs in committed["budgets"].items():
         if setting == "200":  # the page's own runs, checked with docs/results/paper_tasks.json
