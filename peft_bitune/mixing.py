@@ -66,7 +66,7 @@ class BituneKVMixer(nn.Module):
         self.release = float(release)
 
     def _alpha(self, weights: torch.Tensor) -> torch.Tensor:
-        magnitude = weights.float().abs()
+        magnitude = weights.to(torch.promote_types(weights.dtype, torch.float32)).abs()  # float64 stays float64
         alpha = magnitude / (magnitude + self.scale)
         if not all(self.mixed):
             if hasattr(alpha, "full_tensor"):  # read outside the forward under FSDP2: a sharded DTensor
@@ -85,7 +85,8 @@ def mix_key_values(
     causal: torch.Tensor, bidirectional: torch.Tensor, alpha: torch.Tensor
 ) -> torch.Tensor:
     """
-    `(1 - alpha) * causal + alpha * bidirectional`, computed in float32 and cast back to the cache dtype.
+    `(1 - alpha) * causal + alpha * bidirectional`, computed in float32 (float64 caches: in float64) and cast back to
+    the cache dtype.
 
     In training, only the two caches in their own dtype are kept for the backward pass (it recomputes in float32 what
     it needs), not float32 copies of them: in bf16 those copies would double the keys and values held per layer, the
@@ -100,20 +101,29 @@ def mix_key_values(
     return _MixInFloat32.apply(causal, bidirectional, alpha.to(causal.device))
 
 
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the mix computes in: float32 for bf16, fp16 and float32 caches, float64 for float64 ones (a float64
+    reference stays float64 throughout)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class _MixInFloat32(torch.autograd.Function):
     """The mix with a backward that saves the caches in their own dtype; each gradient is computed as autograd
-    computes it through `(1 - alpha) * causal.float() + alpha * bidirectional.float()`, in the same order."""
+    computes it through `(1 - alpha) * causal.float() + alpha * bidirectional.float()`, in the same order (in float64
+    for float64 caches)."""
 
     @staticmethod
     def forward(ctx, causal: torch.Tensor, bidirectional: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(causal, bidirectional, alpha)
-        mixed = (1 - alpha) * causal.float() + alpha * bidirectional.float()
+        wide = at_least_float32(causal.dtype)
+        mixed = (1 - alpha) * causal.to(wide) + alpha * bidirectional.to(wide)
         return mixed.to(causal.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         causal, bidirectional, alpha = ctx.saved_tensors
-        grad = grad.float()
+        wide = at_least_float32(causal.dtype)
+        grad = grad.to(wide)
         grad_causal = grad_bidirectional = grad_alpha = None
         if ctx.needs_input_grad[0]:
             grad_causal = (grad * (1 - alpha)).to(causal.dtype)
@@ -121,7 +131,7 @@ class _MixInFloat32(torch.autograd.Function):
             grad_bidirectional = (grad * alpha).to(bidirectional.dtype)
         if ctx.needs_input_grad[2]:
             # Through `1 - alpha` (negated) and through `alpha`, each reduced to alpha's shape as autograd does.
-            through_causal = (grad * causal.float()).sum_to_size(alpha.shape)
-            through_bidirectional = (grad * bidirectional.float()).sum_to_size(alpha.shape)
-            grad_alpha = -through_causal + through_bidirectional
+            through_causal = (grad * causal.to(wide)).sum_to_size(alpha.shape)
+            through_bidirectional = (grad * bidirectional.to(wide)).sum_to_size(alpha.shape)
+            grad_alpha = (-through_causal + through_bidirectional).to(alpha.dtype)
         return grad_causal, grad_bidirectional, grad_alpha

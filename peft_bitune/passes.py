@@ -29,7 +29,7 @@ from .caches import mix_recorded, pass_cache, recorded_key_values
 from .common import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, SecondPassAttention, WeightSet, num_layers
 from .early_stop import ending_at_complete_record
 from .layout import Chunk, ConversationLayout, Turn
-from .mixing import BituneKVMixer
+from .mixing import BituneKVMixer, at_least_float32
 from .sharding import LayerPath, unshard_before_backward
 
 KeyValues = tuple[list[torch.Tensor], list[torch.Tensor]]
@@ -141,10 +141,10 @@ def answer_loss(
     logits: list[torch.Tensor], labels: list[torch.Tensor], num_items_in_batch: int | torch.Tensor | None
 ) -> torch.Tensor:
     """Next-token cross-entropy, summed over the supervised answer positions of every turn, averaged like
-    transformers does (over `num_items_in_batch` when the Trainer gives it)."""
+    transformers does (over `num_items_in_batch` when the Trainer gives it); in float32 at least."""
     loss = sum(
         F.cross_entropy(
-            turn_logits.float().reshape(-1, turn_logits.shape[-1]),
+            turn_logits.to(at_least_float32(turn_logits.dtype)).reshape(-1, turn_logits.shape[-1]),
             turn_labels.reshape(-1),
             ignore_index=IGNORE_INDEX,
             reduction="sum",

@@ -98,3 +98,10 @@ def test_bf16_weights_gradients_agree_with_float64_of_the_same_weights(arch):
     model.to(torch.bfloat16)  # the rounded model is the model: its own float64 step is the reference
     expected = group_gradients(model, batch, torch.float64, autocast=False)
     assert_groups_agree(group_gradients(model, batch, torch.bfloat16, autocast=True), expected)
+
+
+def test_the_float64_reference_stays_float64_through_the_mix_and_the_loss():
+    """The references above are float64 end to end: the mix and the loss compute in float32 only for narrower dtypes."""
+    model = bitune_model("llama").to(torch.float64)
+    loss = model(**padded_batch()).loss
+    assert loss.dtype == torch.float64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peft_bitune import mix_key_values
+from peft_bitune import BituneKVMixer, mix_key_values
 
 
 def float32_expression(causal, bidirectional, alpha):
@@ -68,3 +68,25 @@ def test_frozen_alpha_and_no_grad_work():
     with torch.no_grad():
         assert torch.equal(mix_key_values(causal, bidirectional, alpha),
                            float32_expression(causal, bidirectional, alpha))
+
+
+def test_float64_caches_mix_in_float64_not_through_float32():
+    """A float64 run (the references of benchmarks/bf16_gradients.py) must not round the mix to float32."""
+    got = mixed_and_gradients(mix_key_values, torch.float64)
+    causal, bidirectional, alpha, upstream = inputs(torch.float64)
+    want = (1 - alpha) * causal + alpha * bidirectional  # autograd in float64 (alpha float32 promotes)
+    want.backward(upstream)
+    for name, g, w in zip(("mixed", "causal grad", "bidirectional grad", "alpha grad"), got,
+                          (want.detach(), causal.grad, bidirectional.grad, alpha.grad)):
+        assert g.dtype == w.dtype, name
+        torch.testing.assert_close(g, w, rtol=1e-13, atol=0, msg=name)
+    through_float32 = mixed_and_gradients(float32_expression, torch.float64)
+    assert not torch.equal(through_float32[0], got[0])  # the old path rounds: the check above can fail
+
+
+def test_float64_mixing_scalars_give_float64_alphas():
+    mixer = BituneKVMixer(num_layers=2, init=0.01, scale=0.01)
+    mixer.key_weights.data = torch.tensor([1e-3, 0.3], dtype=torch.float64)
+    alpha, _ = mixer.coefficients()
+    assert alpha.dtype == torch.float64
+    assert alpha[0].item() == 1e-3 / (1e-3 + 0.01)
