@@ -23,6 +23,13 @@ The random-token batch of `bf16_autocast.py` (batch 8, 64 instruction and 8 answ
 control: the float64 gradient after perturbing every weight by relative noise of bf16's rounding size (N(0, 2**-9),
 about the root mean square of a rounding to 8 significant bits). If that perturbation moves the gradient as much as
 bf16 does, the input is ill-conditioned (any rounding moves its gradient); if not, an operation loses precision.
+
+`--bitune_at` chooses the point where Bitune's gradients are taken: the paper's start (`paper_start`, alpha = 0.5, the
+default), the near-causal start the paper-tasks page chose (`near_causal`, alpha ~ 0.05), both with LoRA's B drawn as
+above, or a trained Bitune adapter (its folder, as `save_pretrained` wrote it), loaded as it was trained:
+
+    python benchmarks/bf16_gradients.py --models smollm2 --isas AVX512_CORE_AMX AVX2 \
+        --bitune_at out/paper_tasks/smollm2/adapters/7bfdcb920aea-bitune_near_causal-lr0.0015-seed0
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ ISA_FLAGS = {"AVX2": ("avx2",), "AVX512_CORE": ("avx512f", "avx512bw", "avx512vl
 MODELS = {"smollm2": "smollm2", "gemma3-270m": "gemma3-270m"}  # the bases of examples/paper_tasks/run.py
 BATCH_SIZES = {"smollm2": 8, "gemma3-270m": 4}  # Gemma's 262k vocabulary: float64 logits of 8 rows take gigabytes
 METHODS = ("lora", "bitune")
+BITUNE_STARTS = {"paper_start": "bitune_paper_start", "near_causal": "bitune_near_causal"}  # run.py's methods
 SETTINGS = ("autocast", "bf16_weights")
 PERTURBATION = 2.0**-9
 LORA_B_STD = 0.01
@@ -134,17 +142,20 @@ def random_token_batch(vocab_size: int, rows: int) -> dict:
 
 
 # ---------------------------------------------------------------------- models and steps
-def build(folder: str, method: str):
-    """A fresh LoRA or Bitune model (the paper-tasks configurations) on the float32 base, B ~ N(0, 0.01) so that every
-    weight has a gradient (as after some training), the same in every process."""
+def build(folder: str, method: str, bitune_at: str = "paper_start"):
+    """A LoRA or Bitune model on the float32 base: a fresh adapter (the paper-tasks configurations; Bitune at the start
+    `bitune_at` names) with B ~ N(0, 0.01) so that every weight has a gradient (as after some training), the same in
+    every process; or, for Bitune, the trained adapter in the folder `bitune_at`, as it was saved."""
     import torch
-    from peft import get_peft_model
+    from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     run = paper_tasks_module()
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if method == "bitune" and bitune_at not in BITUNE_STARTS:
+        return PeftModel.from_pretrained(base, bitune_at, is_trainable=True).train()
     torch.manual_seed(0)
-    model = get_peft_model(base, run.peft_config("lora" if method == "lora" else "bitune_paper_start", 8,
+    model = get_peft_model(base, run.peft_config("lora" if method == "lora" else BITUNE_STARTS[bitune_at], 8,
                                                  base.config.get_text_config().num_hidden_layers))
     generator = torch.Generator().manual_seed(1)
     for name, parameter in model.named_parameters():
@@ -236,7 +247,8 @@ def perturb(model, relative: float, seed: int) -> None:
 
 
 # ---------------------------------------------------------------------- the two kinds of process
-def reference_process(model_name: str, batches: int, batch_size: int, random_tokens: bool, out: str) -> None:
+def reference_process(model_name: str, batches: int, batch_size: int, random_tokens: bool, bitune_at: str,
+                      out: str) -> None:
     """The inputs and the float64 gradients (of the float32 weights, of the bf16-rounded ones, and after the
     perturbation), saved for the bf16 processes."""
     import torch
@@ -247,7 +259,7 @@ def reference_process(model_name: str, batches: int, batch_size: int, random_tok
     gc.collect()
     references, perturbed, rounded = {}, {}, {}
     for method in METHODS:
-        model = build(folder, method)
+        model = build(folder, method, bitune_at)
         if random_tokens:
             inputs.setdefault("random", random_token_batch(model.config.vocab_size, batch_size))
         to_precision(model, torch.float64)
@@ -266,7 +278,7 @@ def reference_process(model_name: str, batches: int, batch_size: int, random_tok
         del model
         gc.collect()
         for name in ("rows0", "random") if random_tokens else ():
-            model = build(folder, method)
+            model = build(folder, method, bitune_at)
             to_precision(model, torch.float64)
             perturb(model, PERTURBATION, seed=2)
             perturbed[method, name] = agreement(gradients(model, inputs[name], autocast=False)["gradients"],
@@ -279,7 +291,16 @@ def reference_process(model_name: str, batches: int, batch_size: int, random_tok
               for name, b in inputs.items()}
     torch.save({"inputs": inputs, "references": references, "perturbed": perturbed, "rounded": rounded,
                 "shapes": shapes, "peak_rss_gib": peak_rss_gib(),
-                "folder": folder}, out)
+                "folder": folder, "bitune_at": bitune_at}, out)
+
+
+def bitune_adapter_problem(folder: str) -> str | None:
+    """Why `folder` is not a saved Bitune adapter, or None."""
+    config = Path(folder) / "adapter_config.json"
+    if not config.is_file():
+        return f"{folder!r} has no adapter_config.json"
+    peft_type = json.loads(config.read_text()).get("peft_type")
+    return None if peft_type == "BITUNE" else f"{folder!r} holds a {peft_type} adapter, not a BITUNE one"
 
 
 def real_rows(inputs: dict) -> dict:
@@ -295,7 +316,7 @@ def bf16_process(saved: str, isa: str, out: str) -> None:
     state = torch.load(saved, weights_only=False)
     result = {}
     for method in METHODS:
-        model = build(state["folder"], method)
+        model = build(state["folder"], method, state["bitune_at"])
         for setting in SETTINGS:
             if setting == "bf16_weights":
                 to_precision(model, torch.bfloat16)
@@ -329,6 +350,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--isas", nargs="+", choices=ISAS, help="default: every one this CPU offers")
     parser.add_argument("--batches", type=int, default=2, help="trainer batches of real rows per model")
     parser.add_argument("--batch_size", type=int, help=f"rows per batch (default: {BATCH_SIZES})")
+    parser.add_argument("--bitune_at", default="paper_start",
+                        help=f"where Bitune's gradients are taken: {' or '.join(BITUNE_STARTS)} (a fresh adapter), "
+                        "or the folder of a trained Bitune adapter (then one model in --models)")
     parser.add_argument("--json")
     parser.add_argument("--worker", choices=["reference", "bf16"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -338,11 +362,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker == "reference":
-        return reference_process(args.model, args.batches, args.batch_size, args.random_tokens, args.out)
+        return reference_process(args.model, args.batches, args.batch_size, args.random_tokens, args.bitune_at,
+                                 args.out)
     if args.worker == "bf16":
         return bf16_process(args.saved, args.isa, args.out)
     if args.batches < 1 or (args.batch_size is not None and args.batch_size < 1):
         parser.error(f"`--batches` and `--batch_size` must be at least 1, got {args.batches}, {args.batch_size}.")
+    if args.bitune_at not in BITUNE_STARTS:
+        problem = bitune_adapter_problem(args.bitune_at)
+        if problem:
+            parser.error(f"`--bitune_at` must be {' or '.join(BITUNE_STARTS)} or a saved Bitune adapter's folder: "
+                         f"{problem}.")
+        if len(args.models) != 1:
+            parser.error(f"a trained adapter fits one base model: name it alone in `--models`, got {args.models}.")
     cpu = lscpu()
     offered = offered_isas(cpu["flags"])
     isas = args.isas or offered[::-1]  # the native kernels first: the figures that matter most arrive first
@@ -352,6 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {"cpu": {"lscpu_model_name": cpu["model_name"], "lscpu_flags": cpu["flags"], "isas_offered": offered,
                       "isas_absent": [isa for isa in ISAS if isa not in offered]},
               "settings": {"batches": args.batches, "batch_sizes": BATCH_SIZES, "lora_b_std": LORA_B_STD,
+                           "bitune_at": args.bitune_at,
                            "perturbation": PERTURBATION, "threads": 1},
               "kernels": {isa: onednn_kernel(isa) for isa in isas}, "models": {}}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -360,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
             saved = f"{work}/{model_name}.pt"
             batch_size = args.batch_size or BATCH_SIZES[model_name]
             command = [sys.executable, __file__, "--worker", "reference", "--model", model_name, "--batches",
-                       str(args.batches), "--batch_size", str(batch_size), "--out", saved]
+                       str(args.batches), "--batch_size", str(batch_size), "--bitune_at", args.bitune_at,
+                       "--out", saved]
             command += ["--random_tokens"] if model_name == "smollm2" else []
             subprocess.run(command, env=env, check=True)
             import torch

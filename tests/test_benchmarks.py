@@ -132,6 +132,23 @@ def test_a_missing_json_folder_is_refused_before_any_work(tmp_path):
     assert not out.parent.exists()
 
 
+@pytest.mark.parametrize("contents, models, message", [
+    (None, ["smollm2"], "has no adapter_config.json"),
+    ({"peft_type": "LORA"}, ["smollm2"], "holds a LORA adapter, not a BITUNE one"),
+    ({"peft_type": "BITUNE"}, ["smollm2", "gemma3-270m"], "name it alone in `--models`"),
+])
+def test_bf16_gradients_refuses_a_point_that_is_not_a_bitune_adapter_before_any_work(tmp_path, contents, models,
+                                                                                      message):
+    if contents is not None:
+        (tmp_path / "adapter_config.json").write_text(json.dumps(contents))
+    out = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "bf16_gradients.py"), "--bitune_at", str(tmp_path),
+                             "--models", *models, "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr, result.stderr
+    assert not out.exists()
+
+
 def load_measure():
     """benchmarks/measure.py under a private name (the benchmark folder is a script folder, not a package)."""
     name = "bitune_benchmarks_measure"
@@ -141,7 +158,6 @@ def load_measure():
         sys.modules[name] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)
     return sys.modules[name]
-    return module
 
 
 def test_peak_memory_counts_tensors_made_during_the_call_until_they_are_freed():
