@@ -101,7 +101,7 @@ def test_bf16_weights_gradients_agree_with_float64_of_the_same_weights(arch):
 
 
 def test_the_float64_reference_stays_float64_through_the_mix_and_the_loss():
-    """The references above are float64 end to end: the mix and the loss compute in float32 only for narrower dtypes."""
+    """The references above are float64 end to end: the mix and the loss use float32 only for narrower dtypes."""
     model = bitune_model("llama").to(torch.float64)
     loss = model(**padded_batch()).loss
     assert loss.dtype == torch.float64
