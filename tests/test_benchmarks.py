@@ -248,3 +248,30 @@ def test_serving_throughput_compares_batched_with_one_at_a_time_and_writes_its_r
             assert positive_finite(cell[arm]["tokens_per_s"]) and cell[arm]["ttft_median_s"] <= cell[arm]["ttft_p90_s"]
     # Every request of the 3 clients (a warm-up round and a measured one) went through the batching server's worker.
     assert sum(int(size) * n for size, n in report["by_clients"]["3"]["batch_sizes"].items()) == 2 * 3
+
+
+def test_bf16_sensitivity_rounds_exactly_the_sites_a_row_names():
+    """benchmarks/bf16_sensitivity.py's float64 emulation of bf16: no site rounded is float64 to the bit; every site
+    rounds each kind of operation once per call (layers x projections x passes) and moves the gradient by about
+    bf16's precision, as autocast does on this model."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bf16_gradients
+    import bf16_sensitivity
+    from test_bf16_gradients import MIN_COSINE, bitune_model, padded_batch
+
+    model, batch = bitune_model("llama"), padded_batch()  # 2 layers, LoRA on 7 projections, 3 passes
+    bf16_gradients.to_precision(model, torch.float64)
+    exact = bf16_sensitivity.gradients_at(model, batch, None)
+    nothing = bf16_sensitivity.gradients_at(model, batch, bf16_sensitivity.Sites("no site", ()))
+    assert all(torch.equal(nothing["gradients"][name], exact["gradients"][name]) for name in exact["gradients"])
+
+    every, *kinds = bf16_sensitivity.site_rows(num_layers=2, block=1)[:5]
+    measured = bf16_sensitivity.gradients_at(model, batch, every)
+    assert measured["rounded_calls"] == {"base linears": 2 * 7 * 3, "LoRA linears": 2 * 7 * 3 * 2, "attention": 2 * 3,
+                                         "LM head": 1}
+    groups = bf16_gradients.agreement(measured["gradients"], exact["gradients"])
+    cosines = [group["cosine"] for group in groups.values()]
+    assert min(cosines) >= MIN_COSINE, cosines
+    assert not any(torch.equal(measured["gradients"][name], exact["gradients"][name]) for name in exact["gradients"])
+    for sites in kinds:
+        assert set(bf16_sensitivity.gradients_at(model, batch, sites)["rounded_calls"]) == set(sites.kinds)

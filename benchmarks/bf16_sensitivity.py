@@ -1,0 +1,188 @@
+"""
+Where in a training step does bf16 rounding move Bitune's gradient? Op by op and layer by layer, in float64.
+
+Every operation runs in float64, exact to 16 digits, except at the sites a row names: there the tensors are rounded to
+bf16 as autocast rounds them, the inputs, weights and output of a matrix product (`F.linear`: the base layers, LoRA's
+A and B, the LM head) or of the attention (`F.scaled_dot_product_attention`), and the gradients flowing back through
+those tensors (the gradient of a bf16 tensor is bf16). Everything autocast keeps in float32 (embeddings, norms, the
+rotary embedding, the residual stream, Bitune's mix and loss) stays exact here. Per row, the gradient of each group
+of trainable weights is compared with the exact float64 one (cosine, norm ratio), on the batch and at the point that
+`bf16_gradients.py` measures (`--bitune_at`, `--batch_size`).
+
+The first row rounds every site: it is autocast's rounding without its accumulation order, so it says whether this
+emulation reproduces the measured bf16 gradients before the other rows locate the sensitivity, one kind of operation
+in every layer, then every kind in one block of layers.
+
+    python benchmarks/bf16_sensitivity.py --json docs/results/bf16_sensitivity_smollm2.json   # ~25 minutes, 1 thread
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bf16_gradients  # noqa: E402  (a script folder, not a package)
+
+KINDS = ("base linears", "LoRA linears", "attention", "LM head")
+
+
+class _RoundedToBF16(torch.autograd.Function):
+    """x rounded to bf16 and kept in its dtype; the gradient flowing back through it rounded the same way."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(torch.bfloat16).to(tensor.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.to(torch.bfloat16).to(grad.dtype)
+
+
+def rounded(tensor):
+    return _RoundedToBF16.apply(tensor) if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() else tensor
+
+
+@dataclass(frozen=True)
+class Sites:
+    """Which operations are rounded: those of `kinds`, in the decoder layers `layers` (None: every layer, and the LM
+    head, which is in no layer, when its kind is named)."""
+
+    name: str
+    kinds: tuple[str, ...]
+    layers: tuple[int, ...] | None = None
+
+    def rounds(self, kind: str, layer: int | None) -> bool:
+        if kind not in self.kinds:
+            return False
+        return self.layers is None or (layer is not None and layer in self.layers)
+
+
+class RoundAtSites(TorchFunctionMode):
+    """Rounds `F.linear` and the attention where `sites` says, knowing the calling module from forward hooks."""
+
+    def __init__(self, model: nn.Module, sites: Sites) -> None:
+        super().__init__()
+        self.sites, self.layer, self.linears, self.hooks = sites, None, [], []
+        self.rounded_calls = Counter()  # per kind: what was rounded, so that a row shows it reached its sites
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                kind = "LoRA linears" if ".lora_" in name else "base linears"
+                kind = "LM head" if name.endswith("lm_head") else kind
+                self.hooks.append(module.register_forward_pre_hook(lambda *_, kind=kind: self._enter_linear(kind)))
+                self.hooks.append(module.register_forward_hook(lambda *_: self._leave_linear()))
+            elif type(module).__name__.endswith("DecoderLayer"):
+                index = int(name.rsplit(".", 1)[1])
+                self.hooks.append(module.register_forward_pre_hook(lambda *_, index=index: self._enter_layer(index)))
+                self.hooks.append(module.register_forward_hook(lambda *_: self._enter_layer(None)))
+
+    # The hooks return None: a forward hook's return value would replace the module's output.
+    def _enter_linear(self, kind: str) -> None:
+        self.linears.append(kind)
+
+    def _leave_linear(self) -> None:
+        self.linears.pop()
+
+    def _enter_layer(self, layer: int | None) -> None:
+        self.layer = layer
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and self.linears and self.sites.rounds(self.linears[-1], self.layer):
+            args = [rounded(arg) for arg in args]  # input, weight and (if given) bias
+            kwargs = {key: rounded(value) for key, value in kwargs.items()}
+            self.rounded_calls[self.linears[-1]] += 1
+            return rounded(func(*args, **kwargs))
+        if func is F.scaled_dot_product_attention and self.sites.rounds("attention", self.layer):
+            query, key, value, *rest = args
+            self.rounded_calls["attention"] += 1
+            return rounded(func(rounded(query), rounded(key), rounded(value), *rest, **kwargs))
+        return func(*args, **kwargs)
+
+
+def site_rows(num_layers: int, block: int) -> list[Sites]:
+    rows = [Sites("every site (autocast's rounding)", KINDS)]
+    rows += [Sites(kind, (kind,)) for kind in KINDS]
+    for start in range(0, num_layers, block):
+        layers = tuple(range(start, min(start + block, num_layers)))
+        rows.append(Sites(f"layers {layers[0]}-{layers[-1]}, every kind", KINDS[:3], layers))
+    return rows
+
+
+def gradients_at(model: nn.Module, batch: dict, sites: Sites | None) -> dict:
+    """`bf16_gradients.gradients` in the model's dtype, rounded at `sites` (exact with None), with the count of
+    rounded calls per kind."""
+    if sites is None:
+        return {**bf16_gradients.gradients(model, batch, autocast=False), "rounded_calls": {}}
+    with RoundAtSites(model, sites) as mode:
+        measured = bf16_gradients.gradients(model, batch, autocast=False)
+    return {**measured, "rounded_calls": dict(mode.rounded_calls)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", choices=list(bf16_gradients.MODELS))
+    parser.add_argument("--bitune_at", default="paper_start",
+                        help=f"{' or '.join(bf16_gradients.BITUNE_STARTS)}, or a trained Bitune adapter's folder")
+    parser.add_argument("--batch_size", type=int, help=f"rows (default: {bf16_gradients.BATCH_SIZES})")
+    parser.add_argument("--block", type=int, default=5, help="decoder layers per layer-block row")
+    parser.add_argument("--with_lora", action="store_true", help="also LoRA's every-site row (its control)")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    if args.bitune_at not in bf16_gradients.BITUNE_STARTS:
+        problem = bf16_gradients.bitune_adapter_problem(args.bitune_at)
+        if problem:
+            parser.error(f"`--bitune_at` must be {' or '.join(bf16_gradients.BITUNE_STARTS)} or a saved Bitune "
+                         f"adapter's folder: {problem}.")
+    if args.block < 1 or (args.batch_size is not None and args.batch_size < 1):
+        parser.error(f"`--block` and `--batch_size` must be at least 1, got {args.block}, {args.batch_size}.")
+    if args.json and not Path(args.json).parent.is_dir():
+        parser.error(f"`--json`'s folder {Path(args.json).parent} does not exist.")
+    torch.set_num_threads(1)
+    folder = bf16_gradients.paper_tasks_module().base_folder(args.model)
+    batch_size = args.batch_size or bf16_gradients.BATCH_SIZES[args.model]
+    batch = bf16_gradients.trainer_batches(folder, 1, batch_size)[0]
+    report = {"model": args.model, "bitune_at": args.bitune_at, "batch_size": batch_size,
+              "batch": {"length": int(batch["input_ids"].shape[1]), "real_tokens": int(batch["attention_mask"].sum()),
+                        "answer_tokens": int((batch["labels"] != -100).sum())},
+              "cpu": bf16_gradients.lscpu()["model_name"], "threads": 1,
+              "versions": {"python": platform.python_version(), "torch": torch.__version__}, "rows": []}
+    for method in ("bitune", "lora") if args.with_lora else ("bitune",):
+        model = bf16_gradients.build(folder, method, args.bitune_at)
+        bf16_gradients.to_precision(model, torch.float64)
+        exact = gradients_at(model, batch, None)
+        report.setdefault("float64_loss", {})[method] = round(exact["loss"], 6)
+        layers = model.config.get_text_config().num_hidden_layers
+        for sites in site_rows(layers, args.block) if method == "bitune" else site_rows(layers, args.block)[:1]:
+            started = time.time()
+            measured = gradients_at(model, batch, sites)
+            row = {"method": method, "sites": sites.name, "kinds": list(sites.kinds),
+                   "layers": list(sites.layers) if sites.layers else "all", "loss": round(measured["loss"], 6),
+                   "groups": bf16_gradients.agreement(measured["gradients"], exact["gradients"]),
+                   "rounded_calls": measured["rounded_calls"],
+                   "seconds": round(time.time() - started, 1)}
+            report["rows"].append(row)
+            cosines = ", ".join(f"{group} {value['cosine']:.4f}" for group, value in row["groups"].items())
+            print(f"{method:6} {sites.name:38} {cosines}", flush=True)
+            if args.json:  # after each row, so that a stopped run keeps what it measured
+                Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
