@@ -13,7 +13,8 @@ The first row rounds every site: it is autocast's rounding without its accumulat
 emulation reproduces the measured bf16 gradients before the other rows locate the sensitivity, one kind of operation
 in every layer, then every kind in one block of layers.
 
-    python benchmarks/bf16_sensitivity.py --json docs/results/bf16_sensitivity_smollm2.json   # ~25 minutes, 1 thread
+    python benchmarks/bf16_sensitivity.py --with_lora --detail_layers 0 1 2 3 4 \
+        --json docs/results/bf16_sensitivity_smollm2.json          # about 15 minutes on one thread
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
+from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bf16_gradients  # noqa: E402  (a script folder, not a package)
@@ -57,14 +59,18 @@ def rounded(tensor):
 @dataclass(frozen=True)
 class Sites:
     """Which operations are rounded: those of `kinds`, in the decoder layers `layers` (None: every layer, and the LM
-    head, which is in no layer, when its kind is named)."""
+    head, which is in no layer, when its kind is named), and of the base linears only the `projections` named (None:
+    all of them; e.g. "down_proj")."""
 
     name: str
     kinds: tuple[str, ...]
     layers: tuple[int, ...] | None = None
+    projections: tuple[str, ...] | None = None
 
-    def rounds(self, kind: str, layer: int | None) -> bool:
+    def rounds(self, kind: str, projection: str | None, layer: int | None) -> bool:
         if kind not in self.kinds:
+            return False
+        if kind == "base linears" and self.projections is not None and projection not in self.projections:
             return False
         return self.layers is None or (layer is not None and layer in self.layers)
 
@@ -80,7 +86,9 @@ class RoundAtSites(TorchFunctionMode):
             if isinstance(module, nn.Linear):
                 kind = "LoRA linears" if ".lora_" in name else "base linears"
                 kind = "LM head" if name.endswith("lm_head") else kind
-                self.hooks.append(module.register_forward_pre_hook(lambda *_, kind=kind: self._enter_linear(kind)))
+                parts = name.split(".")
+                site = (kind, parts[-2] if parts[-1] == "base_layer" else parts[-1])  # e.g. ("base linears", "q_proj")
+                self.hooks.append(module.register_forward_pre_hook(lambda *_, site=site: self._enter_linear(site)))
                 self.hooks.append(module.register_forward_hook(lambda *_: self._leave_linear()))
             elif type(module).__name__.endswith("DecoderLayer"):
                 index = int(name.rsplit(".", 1)[1])
@@ -88,8 +96,8 @@ class RoundAtSites(TorchFunctionMode):
                 self.hooks.append(module.register_forward_hook(lambda *_: self._enter_layer(None)))
 
     # The hooks return None: a forward hook's return value would replace the module's output.
-    def _enter_linear(self, kind: str) -> None:
-        self.linears.append(kind)
+    def _enter_linear(self, site: tuple[str, str]) -> None:
+        self.linears.append(site)
 
     def _leave_linear(self) -> None:
         self.linears.pop()
@@ -104,25 +112,40 @@ class RoundAtSites(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and self.linears and self.sites.rounds(self.linears[-1], self.layer):
+        if func is F.linear and self.linears and self.sites.rounds(*self.linears[-1], self.layer):
             args = [rounded(arg) for arg in args]  # input, weight and (if given) bias
             kwargs = {key: rounded(value) for key, value in kwargs.items()}
-            self.rounded_calls[self.linears[-1]] += 1
+            self.rounded_calls[self.linears[-1][0]] += 1
             return rounded(func(*args, **kwargs))
-        if func is F.scaled_dot_product_attention and self.sites.rounds("attention", self.layer):
+        if func is F.scaled_dot_product_attention and self.sites.rounds("attention", None, self.layer):
             query, key, value, *rest = args
             self.rounded_calls["attention"] += 1
             return rounded(func(rounded(query), rounded(key), rounded(value), *rest, **kwargs))
         return func(*args, **kwargs)
 
 
-def site_rows(num_layers: int, block: int) -> list[Sites]:
+def site_rows(num_layers: int, block: int, detail_layers: tuple[int, ...] = (),
+              projections: tuple[str, ...] = ()) -> list[Sites]:
+    """Every site; each kind in every layer; every kind in each block of layers; then, within `detail_layers`, each
+    of `projections` (base linears) alone and each of those layers alone."""
     rows = [Sites("every site (autocast's rounding)", KINDS)]
     rows += [Sites(kind, (kind,)) for kind in KINDS]
     for start in range(0, num_layers, block):
         layers = tuple(range(start, min(start + block, num_layers)))
         rows.append(Sites(f"layers {layers[0]}-{layers[-1]}, every kind", KINDS[:3], layers))
+    if detail_layers:
+        span = f"layers {min(detail_layers)}-{max(detail_layers)}"
+        rows += [Sites(f"{span}, {projection}", ("base linears",), detail_layers, (projection,))
+                 for projection in projections]
+        rows += [Sites(f"layer {layer}, every kind", KINDS[:3], (layer,)) for layer in detail_layers]
     return rows
+
+
+def base_projections(model: nn.Module) -> tuple[str, ...]:
+    """The names of the projections in a decoder layer (q_proj, ..., down_proj), in order."""
+    names = dict.fromkeys(name.split(".")[-2] for name, module in model.named_modules()
+                          if isinstance(module, nn.Linear) and name.endswith(".base_layer"))
+    return tuple(names)
 
 
 def gradients_at(model: nn.Module, batch: dict, sites: Sites | None) -> dict:
@@ -142,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"{' or '.join(bf16_gradients.BITUNE_STARTS)}, or a trained Bitune adapter's folder")
     parser.add_argument("--batch_size", type=int, help=f"rows (default: {bf16_gradients.BATCH_SIZES})")
     parser.add_argument("--block", type=int, default=5, help="decoder layers per layer-block row")
+    parser.add_argument("--detail_layers", nargs="+", type=int, default=[],
+                        help="also round each base projection alone, and each layer alone, within these layers")
     parser.add_argument("--with_lora", action="store_true", help="also LoRA's every-site row (its control)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -156,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"`--json`'s folder {Path(args.json).parent} does not exist.")
     torch.set_num_threads(1)
     folder = bf16_gradients.paper_tasks_module().base_folder(args.model)
+    layers = AutoConfig.from_pretrained(folder).get_text_config().num_hidden_layers
+    if not set(args.detail_layers) <= set(range(layers)):
+        parser.error(f"`--detail_layers` must be layers of the model, 0 to {layers - 1}, got {args.detail_layers}.")
     batch_size = args.batch_size or bf16_gradients.BATCH_SIZES[args.model]
     batch = bf16_gradients.trainer_batches(folder, 1, batch_size)[0]
     report = {"model": args.model, "bitune_at": args.bitune_at, "batch_size": batch_size,
@@ -168,8 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         bf16_gradients.to_precision(model, torch.float64)
         exact = gradients_at(model, batch, None)
         report.setdefault("float64_loss", {})[method] = round(exact["loss"], 6)
-        layers = model.config.get_text_config().num_hidden_layers
-        for sites in site_rows(layers, args.block) if method == "bitune" else site_rows(layers, args.block)[:1]:
+        rows = site_rows(layers, args.block, tuple(args.detail_layers), base_projections(model))
+        for sites in rows if method == "bitune" else rows[:1]:
             started = time.time()
             measured = gradients_at(model, batch, sites)
             row = {"method": method, "sites": sites.name, "kinds": list(sites.kinds),

@@ -275,3 +275,9 @@ def test_bf16_sensitivity_rounds_exactly_the_sites_a_row_names():
     assert not any(torch.equal(measured["gradients"][name], exact["gradients"][name]) for name in exact["gradients"])
     for sites in kinds:
         assert set(bf16_sensitivity.gradients_at(model, batch, sites)["rounded_calls"]) == set(sites.kinds)
+    projections = bf16_sensitivity.base_projections(model)
+    assert projections == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    detail = bf16_sensitivity.site_rows(num_layers=2, block=1, detail_layers=(1,), projections=projections)[7:]
+    names = [f"layers 1-1, {name}" for name in projections] + ["layer 1, every kind"]
+    assert [sites.name for sites in detail] == names
+    assert bf16_sensitivity.gradients_at(model, batch, detail[0])["rounded_calls"] == {"base linears": 3}  # 3 passes
