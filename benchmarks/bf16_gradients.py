@@ -28,7 +28,7 @@ bf16 does, the input is ill-conditioned (any rounding moves its gradient); if no
 default), the near-causal start the paper-tasks page chose (`near_causal`, alpha ~ 0.05), both with LoRA's B drawn as
 above, or a trained Bitune adapter (its folder, as `save_pretrained` wrote it), loaded as it was trained:
 
-    python benchmarks/bf16_gradients.py --models smollm2 --isas AVX512_CORE_AMX AVX2 \
+    python benchmarks/bf16_gradients.py --models smollm2 --batches 1 --isas AVX512_CORE_AMX AVX2 \
         --bitune_at out/paper_tasks/smollm2/adapters/7bfdcb920aea-bitune_near_causal-lr0.0015-seed0
 """
 
