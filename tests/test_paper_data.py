@@ -553,8 +553,8 @@ def test_budget_report_refuses_budgets_scored_on_other_test_rows(tmp_path):
 
 
 def test_bf16_runs_are_kept_apart_and_float32_keys_do_not_change(installed_fake_wheels, tmp_path):
-    """`--bf16` trains and scores under bf16 autocast, in records named `bf16`; without it every key is what it was
-    before the flag existed (committed records and running experiments keep theirs)."""
+    """`--bf16` trains under bf16 autocast, in records named `bf16`; without it every key is what it was before the
+    flag existed (committed records and running experiments keep theirs)."""
     runner = load_example("run")
     settings = runner.Settings(base="x", train_rows=40)
     decisive = {name: getattr(settings, name) for name in ("base", "steps", "batch_size", "rank", "max_length",

@@ -27,8 +27,10 @@ The protocol:
   validation and ARC-Challenge test, and `--mmlu_rows_per_subject` rows of each MMLU subject's test split. Every
   row's outcome is kept, for paired intervals.
 
-`--bf16` trains and scores under bf16 autocast (TRL's `bf16=True`; float32 weights, as a GPU user's run), its records
-kept apart from the float32 ones (`bf16` in their names, and in the fingerprint).
+`--bf16` trains under bf16 autocast (TRL's `bf16=True`; float32 weights, as a GPU user's run), its records kept apart
+from the float32 ones (`bf16` in their names, and in the fingerprint). Scoring stays in float32 for every run: the
+harness runs its forwards under its own `torch.autocast(enabled=mixed_precision_dtype is not None)`, which turns an
+outer autocast off, so bf16 − float32 measures the training's precision alone.
 
 Each finished run is kept in `--work_dir` (its record as JSON, its adapter as a `save_pretrained` folder), so an
 interrupted experiment resumes, and several processes may share one folder. `--json` writes the model's results.
@@ -152,7 +154,7 @@ class Settings:
     eval_batch_size: int = 16
     logging_steps: int = 10
     threads: int = 1
-    bf16: bool = False  # train and score under bf16 autocast
+    bf16: bool = False  # train under bf16 autocast (scoring is float32 for every run)
 
     def fingerprint(self, scoring: bool = False) -> str:
         """What decides a trained adapter (not which seeds or learning rates run, nor the threads), or with `scoring`
@@ -324,8 +326,7 @@ def score(model, tokenizer, examples: list[Example], settings: Settings) -> list
                             batch_size=settings.eval_batch_size, add_bos_token=starts_with_bos(tokenizer))
     requests = [Instance("loglikelihood", {}, (example.prompt, choice), i)
                 for i, (example, choice) in enumerate((e, c) for e in examples for c in e.choices)]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):  # as the training ran
-        scores = iter([log_likelihood for log_likelihood, _ in harness.loglikelihood(requests, disable_tqdm=True)])
+    scores = iter([log_likelihood for log_likelihood, _ in harness.loglikelihood(requests, disable_tqdm=True)])
     outcomes = []
     for example in examples:
         choice_scores = [next(scores) for _ in example.choices]
@@ -531,7 +532,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--search_only", action="store_true",
                         help="train and validate the search runs, then stop (no test scoring)")
     parser.add_argument("--bf16", action="store_true",
-                        help="train and score under bf16 autocast (float32 weights, TRL's `bf16=True`)")
+                        help="train under bf16 autocast (float32 weights, TRL's `bf16=True`); scoring stays float32")
     parser.add_argument("--seeds", nargs="+", type=int)
     parser.add_argument("--learning_rates", nargs="+", type=float)
     for name in ("steps", "batch_size", "rank", "max_length", "train_rows_per_task", "train_rows",
