@@ -523,10 +523,11 @@ def test_budget_report_puts_bf16_runs_beside_float32_ones(tmp_path):
         budget.merge([merged_report, bf16, bf16])
 
 
-def test_the_docs_budget_tables_are_the_committed_report():
-    """docs/paper_tasks.md's 600-step table is what budget_report.py prints for docs/results/paper_tasks_budget.json,
-    and each 600-step run in it has its committed test record."""
-    committed = _committed_report_on_the_page("budget_report", "paper_tasks_budget", "paper_tasks_budget")
+@pytest.mark.parametrize("results", ["paper_tasks_budget", "paper_tasks_bf16"])
+def test_the_docs_budget_and_bf16_tables_are_the_committed_report(results):
+    """docs/paper_tasks.md's 600-step and bf16 tables are what budget_report.py prints for docs/results/<results>.json,
+    and each run beside the 200-step float32 page has its committed test record."""
+    committed = _committed_report_on_the_page("budget_report", results, results)
     records = REPOSITORY / "docs" / "results" / "paper_tasks_runs" / "smollm2"
     for setting, runs in committed["budgets"].items():
         if setting == "200":  # the page's own runs, checked with docs/results/paper_tasks.json
