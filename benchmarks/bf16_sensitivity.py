@@ -173,11 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--with_lora", action="store_true", help="also LoRA's every-site row (its control)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    if args.bitune_at not in bf16_gradients.BITUNE_STARTS:
-        problem = bf16_gradients.bitune_adapter_problem(args.bitune_at)
-        if problem:
-            parser.error(f"`--bitune_at` must be {' or '.join(bf16_gradients.BITUNE_STARTS)} or a saved Bitune "
-                         f"adapter's folder: {problem}.")
+    if bf16_gradients.bitune_at_problem(args.bitune_at):
+        parser.error(bf16_gradients.bitune_at_problem(args.bitune_at))
     if args.block < 1 or (args.batch_size is not None and args.batch_size < 1):
         parser.error(f"`--block` and `--batch_size` must be at least 1, got {args.block}, {args.batch_size}.")
     if args.json and not Path(args.json).parent.is_dir():
