@@ -13,11 +13,14 @@ The first row rounds every site: it is autocast's rounding without its accumulat
 emulation reproduces the measured bf16 gradients before the other rows locate the sensitivity, one kind of operation
 in every layer, then every kind in one block of layers.
 
-    python benchmarks/bf16_sensitivity.py --with_lora --json docs/results/bf16_sensitivity_smollm2.json  # 7 minutes
+    python benchmarks/bf16_sensitivity.py --with_lora --detail_layers 0 1 2 3 4 --proportion_layer 0 \
+        --json docs/results/bf16_sensitivity_smollm2.json
 
-`--detail_layers 0 1 2 3 4` adds a row per base projection and per layer within those layers. Every rounded row keeps
-bf16-rounded float64 copies of the weights it rounds for the backward pass, one per prompt pass: on SmolLM2 with 8
-rows the process needs about 15 GiB.
+`--detail_layers 0 1 2 3 4` adds a row per base projection and per layer within those layers. `--proportion_layer 0`
+asks whether the gradient moves in proportion to the rounding error: layer 0 with bf16's error scaled by 1/8, 1/4,
+1/2, 1 and -1, then rounded to the finer float16 and float32. The float64 step with its rounded copies of weights and
+activations needs about 15 GiB on SmolLM2 with 8 rows (`--with_lora --detail_layers 0 1 2 3 4 --proportion_layer 0`:
+20 minutes).
 """
 
 from __future__ import annotations
@@ -43,32 +46,54 @@ import bf16_gradients  # noqa: E402  (a script folder, not a package)
 KINDS = ("base linears", "LoRA linears", "attention", "LM head")
 
 
-class _RoundedToBF16(torch.autograd.Function):
-    """x rounded to bf16 and kept in its dtype; the gradient flowing back through it rounded the same way."""
+@dataclass(frozen=True)
+class Rounding:
+    """What a rounded site does to a float64 tensor: adds `scale` times its error of rounding to `dtype`. Scale 1 is
+    the rounding itself (as autocast rounds); other scales ask whether the gradient moves in proportion to the
+    error."""
+
+    dtype: torch.dtype = torch.bfloat16
+    scale: float = 1.0
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        rounded = tensor.to(self.dtype).to(tensor.dtype)
+        return rounded if self.scale == 1 else tensor + self.scale * (rounded - tensor)
+
+    @property
+    def name(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"rounded to {dtype}" if self.scale == 1 else f"{dtype} error x {self.scale:g}"
+
+
+class _Rounded(torch.autograd.Function):
+    """x rounded as `rounding` says, kept in its dtype; the gradient flowing back through it rounded the same way."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(torch.bfloat16).to(tensor.dtype)
+    def forward(ctx, tensor: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+        ctx.rounding = rounding
+        return rounding(tensor)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.to(torch.bfloat16).to(grad.dtype)
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.rounding(grad), None
 
 
-def rounded(tensor):
-    return _RoundedToBF16.apply(tensor) if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() else tensor
+def rounded(tensor, rounding: Rounding = Rounding()):
+    is_float = isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+    return _Rounded.apply(tensor, rounding) if is_float else tensor
 
 
 @dataclass(frozen=True)
 class Sites:
     """Which operations are rounded: those of `kinds`, in the decoder layers `layers` (None: every layer, and the LM
     head, which is in no layer, when its kind is named), and of the base linears only the `projections` named (None:
-    all of them; e.g. "down_proj")."""
+    all of them; e.g. "down_proj"), each as `rounding` says (bf16, as autocast rounds, by default)."""
 
     name: str
     kinds: tuple[str, ...]
     layers: tuple[int, ...] | None = None
     projections: tuple[str, ...] | None = None
+    rounding: Rounding = Rounding()
 
     def rounds(self, kind: str, projection: str | None, layer: int | None) -> bool:
         if kind not in self.kinds:
@@ -116,21 +141,28 @@ class RoundAtSites(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and self.linears and self.sites.rounds(*self.linears[-1], self.layer):
-            args = [rounded(arg) for arg in args]  # input, weight and (if given) bias
-            kwargs = {key: rounded(value) for key, value in kwargs.items()}
+            rounding = self.sites.rounding
+            args = [rounded(arg, rounding) for arg in args]  # input, weight and (if given) bias
+            kwargs = {key: rounded(value, rounding) for key, value in kwargs.items()}
             self.rounded_calls[self.linears[-1][0]] += 1
-            return rounded(func(*args, **kwargs))
+            return rounded(func(*args, **kwargs), rounding)
         if func is F.scaled_dot_product_attention and self.sites.rounds("attention", None, self.layer):
             query, key, value, *rest = args
+            rounding = self.sites.rounding
             self.rounded_calls["attention"] += 1
-            return rounded(func(rounded(query), rounded(key), rounded(value), *rest, **kwargs))
+            query, key, value = (rounded(tensor, rounding) for tensor in (query, key, value))
+            return rounded(func(query, key, value, *rest, **kwargs), rounding)
         return func(*args, **kwargs)
 
 
+ERROR_SCALES = (0.125, 0.25, 0.5, 1.0, -1.0)
+
+
 def site_rows(num_layers: int, block: int, detail_layers: tuple[int, ...] = (),
-              projections: tuple[str, ...] = ()) -> list[Sites]:
+              projections: tuple[str, ...] = (), proportion_layer: int | None = None) -> list[Sites]:
     """Every site; each kind in every layer; every kind in each block of layers; then, within `detail_layers`, each
-    of `projections` (base linears) alone and each of those layers alone."""
+    of `projections` (base linears) alone and each of those layers alone; then every kind in `proportion_layer` with
+    bf16's error scaled by each of ERROR_SCALES, and rounded to float16 and to float32 (finer roundings)."""
     rows = [Sites("every site (autocast's rounding)", KINDS)]
     rows += [Sites(kind, (kind,)) for kind in KINDS]
     for start in range(0, num_layers, block):
@@ -141,6 +173,11 @@ def site_rows(num_layers: int, block: int, detail_layers: tuple[int, ...] = (),
         rows += [Sites(f"{span}, {projection}", ("base linears",), detail_layers, (projection,))
                  for projection in projections]
         rows += [Sites(f"layer {layer}, every kind", KINDS[:3], (layer,)) for layer in detail_layers]
+    if proportion_layer is not None:
+        roundings = [Rounding(torch.bfloat16, scale) for scale in ERROR_SCALES]
+        roundings += [Rounding(torch.float16), Rounding(torch.float32)]
+        rows += [Sites(f"layer {proportion_layer}, every kind, {rounding.name}", KINDS[:3], (proportion_layer,),
+                       rounding=rounding) for rounding in roundings]
     return rows
 
 
@@ -170,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block", type=int, default=5, help="decoder layers per layer-block row")
     parser.add_argument("--detail_layers", nargs="+", type=int, default=[],
                         help="also round each base projection alone, and each layer alone, within these layers")
+    parser.add_argument("--proportion_layer", type=int,
+                        help="also round every kind in this layer with bf16's error scaled (x1/8 ... x-1) and rounded "
+                             "to float16 and float32: does the gradient move in proportion to the error?")
     parser.add_argument("--with_lora", action="store_true", help="also LoRA's every-site row (its control)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -184,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     layers = AutoConfig.from_pretrained(folder).get_text_config().num_hidden_layers
     if not set(args.detail_layers) <= set(range(layers)):
         parser.error(f"`--detail_layers` must be layers of the model, 0 to {layers - 1}, got {args.detail_layers}.")
+    if args.proportion_layer is not None and args.proportion_layer not in range(layers):
+        parser.error(f"`--proportion_layer` must be a layer of the model, 0 to {layers - 1}, "
+                     f"got {args.proportion_layer}.")
     batch_size = args.batch_size or bf16_gradients.BATCH_SIZES[args.model]
     batch = bf16_gradients.trainer_batches(folder, 1, batch_size)[0]
     report = {"model": args.model, "bitune_at": args.bitune_at, "batch_size": batch_size,
@@ -196,18 +239,21 @@ def main(argv: list[str] | None = None) -> None:
         bf16_gradients.to_precision(model, torch.float64)
         exact = gradients_at(model, batch, None)
         report.setdefault("float64_loss", {})[method] = round(exact["loss"], 6)
-        rows = site_rows(layers, args.block, tuple(args.detail_layers), base_projections(model))
+        rows = site_rows(layers, args.block, tuple(args.detail_layers), base_projections(model), args.proportion_layer)
         for sites in rows if method == "bitune" else rows[:1]:
             started = time.time()
             measured = gradients_at(model, batch, sites)
             row = {"method": method, "sites": sites.name, "kinds": list(sites.kinds),
-                   "layers": list(sites.layers) if sites.layers else "all", "loss": round(measured["loss"], 6),
+                   "layers": list(sites.layers) if sites.layers else "all",
+                   "rounding": {"dtype": str(sites.rounding.dtype).removeprefix("torch."),
+                                "scale": sites.rounding.scale},
+                   "loss": round(measured["loss"], 6),
                    "groups": bf16_gradients.agreement(measured["gradients"], exact["gradients"]),
                    "rounded_calls": measured["rounded_calls"],
                    "seconds": round(time.time() - started, 1)}
             report["rows"].append(row)
             cosines = ", ".join(f"{group} {value['cosine']:.4f}" for group, value in row["groups"].items())
-            print(f"{method:6} {sites.name:38} {cosines}", flush=True)
+            print(f"{method:6} {sites.name:46} {cosines}", flush=True)
             if args.json:  # after each row, so that a stopped run keeps what it measured
                 Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 

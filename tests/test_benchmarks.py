@@ -5,6 +5,7 @@ Timings are never asserted here: performance targets live in the benchmark's own
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -281,3 +282,22 @@ def test_bf16_sensitivity_rounds_exactly_the_sites_a_row_names():
     names = [f"layers 1-1, {name}" for name in projections] + ["layer 1, every kind"]
     assert [sites.name for sites in detail] == names
     assert bf16_sensitivity.gradients_at(model, batch, detail[0])["rounded_calls"] == {"base linears": 3}  # 3 passes
+
+
+    proportion = bf16_sensitivity.site_rows(num_layers=2, block=1, proportion_layer=1)[7:]
+    assert [sites.name for sites in proportion] == [
+        "layer 1, every kind, bfloat16 error x 0.125", "layer 1, every kind, bfloat16 error x 0.25",
+        "layer 1, every kind, bfloat16 error x 0.5", "layer 1, every kind, rounded to bfloat16",
+        "layer 1, every kind, bfloat16 error x -1", "layer 1, every kind, rounded to float16",
+        "layer 1, every kind, rounded to float32"]
+    scaled_to_zero = dataclasses.replace(proportion[0], rounding=bf16_sensitivity.Rounding(torch.bfloat16, 0.0))
+    unscaled = bf16_sensitivity.gradients_at(model, batch, scaled_to_zero)
+    assert all(torch.equal(unscaled["gradients"][name], exact["gradients"][name]) for name in exact["gradients"])
+    scale_one = bf16_sensitivity.gradients_at(model, batch, proportion[3])["gradients"]
+    layer_row = bf16_sensitivity.gradients_at(model, batch, detail[-1])["gradients"]
+    assert all(torch.equal(scale_one[name], layer_row[name]) for name in layer_row)
+    half = bf16_sensitivity.gradients_at(model, batch, proportion[2])  # halfway between exact and rounded, per tensor
+    assert not any(torch.equal(half["gradients"][name], tensor) for name, tensor in exact["gradients"].items())
+    in_float32 = bf16_sensitivity.gradients_at(model, batch, proportion[-1])
+    for name, tensor in exact["gradients"].items():  # float32's rounding moves the gradient by float32's precision
+        torch.testing.assert_close(in_float32["gradients"][name], tensor, rtol=1e-4, atol=1e-6 * tensor.abs().max())
