@@ -14,13 +14,13 @@ emulation reproduces the measured bf16 gradients before the other rows locate th
 in every layer, then every kind in one block of layers.
 
     python benchmarks/bf16_sensitivity.py --with_lora --detail_layers 0 1 2 3 4 --proportion_layer 0 \
-        --json docs/results/bf16_sensitivity_smollm2.json
+        --exact_lower_layers 1 5 15 --json docs/results/bf16_sensitivity_smollm2.json
 
 `--detail_layers 0 1 2 3 4` adds a row per base projection and per layer within those layers. `--proportion_layer 0`
 asks whether the gradient moves in proportion to the rounding error: layer 0 with bf16's error scaled by 1/8, 1/4,
-1/2, 1 and -1, then rounded to the finer float16 and float32. The float64 step with its rounded copies of weights and
-activations needs about 15 GiB on SmolLM2 with 8 rows (`--with_lora --detail_layers 0 1 2 3 4 --proportion_layer 0`:
-20 minutes).
+1/2, 1 and -1, then rounded to the finer float16 and float32. `--exact_lower_layers 1 5 15` rounds every site but
+those of the lowest 1, 5, 15 layers: what keeping them in float32 would give back. The float64 step with its rounded
+copies of weights and activations needs about 15 GiB on SmolLM2 with 8 rows (the command above: 25 minutes).
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def rounded(tensor, rounding: Rounding = Rounding()):
 
 @dataclass(frozen=True)
 class Sites:
-    """Which operations are rounded: those of `kinds`, in the decoder layers `layers` (None: every layer, and the LM
-    head, which is in no layer, when its kind is named), and of the base linears only the `projections` named (None:
+    """Which operations are rounded: those of `kinds`, in the decoder layers `layers` (None: every layer; the LM head,
+    in no layer, whenever its kind is named), and of the base linears only the `projections` named (None:
     all of them; e.g. "down_proj"), each as `rounding` says (bf16, as autocast rounds, by default)."""
 
     name: str
@@ -100,7 +100,7 @@ class Sites:
             return False
         if kind == "base linears" and self.projections is not None and projection not in self.projections:
             return False
-        return self.layers is None or (layer is not None and layer in self.layers)
+        return self.layers is None or kind == "LM head" or (layer is not None and layer in self.layers)
 
 
 class RoundAtSites(TorchFunctionMode):
@@ -159,10 +159,13 @@ ERROR_SCALES = (0.125, 0.25, 0.5, 1.0, -1.0)
 
 
 def site_rows(num_layers: int, block: int, detail_layers: tuple[int, ...] = (),
-              projections: tuple[str, ...] = (), proportion_layer: int | None = None) -> list[Sites]:
+              projections: tuple[str, ...] = (), proportion_layer: int | None = None,
+              exact_lower_layers: tuple[int, ...] = ()) -> list[Sites]:
     """Every site; each kind in every layer; every kind in each block of layers; then, within `detail_layers`, each
     of `projections` (base linears) alone and each of those layers alone; then every kind in `proportion_layer` with
-    bf16's error scaled by each of ERROR_SCALES, and rounded to float16 and to float32 (finer roundings)."""
+    bf16's error scaled by each of ERROR_SCALES, and rounded to float16 and to float32 (finer roundings); then, for
+    each n of `exact_lower_layers`, every site but those of the lowest n layers (a float32 island there: a fix's
+    candidate)."""
     rows = [Sites("every site (autocast's rounding)", KINDS)]
     rows += [Sites(kind, (kind,)) for kind in KINDS]
     for start in range(0, num_layers, block):
@@ -178,6 +181,8 @@ def site_rows(num_layers: int, block: int, detail_layers: tuple[int, ...] = (),
         roundings += [Rounding(torch.float16), Rounding(torch.float32)]
         rows += [Sites(f"layer {proportion_layer}, every kind, {rounding.name}", KINDS[:3], (proportion_layer,),
                        rounding=rounding) for rounding in roundings]
+    rows += [Sites(f"every site but layers 0-{lowest - 1} (kept exact)", KINDS, tuple(range(lowest, num_layers)))
+             for lowest in exact_lower_layers]
     return rows
 
 
@@ -210,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--proportion_layer", type=int,
                         help="also round every kind in this layer with bf16's error scaled (x1/8 ... x-1) and rounded "
                              "to float16 and float32: does the gradient move in proportion to the error?")
+    parser.add_argument("--exact_lower_layers", nargs="+", type=int, default=[],
+                        help="also round every site but those of the lowest n layers, for each n given (a float32 "
+                             "island there, as a fix would keep)")
     parser.add_argument("--with_lora", action="store_true", help="also LoRA's every-site row (its control)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -224,6 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     layers = AutoConfig.from_pretrained(folder).get_text_config().num_hidden_layers
     if not set(args.detail_layers) <= set(range(layers)):
         parser.error(f"`--detail_layers` must be layers of the model, 0 to {layers - 1}, got {args.detail_layers}.")
+    if not set(args.exact_lower_layers) <= set(range(1, layers)):
+        parser.error(f"`--exact_lower_layers` must be layer counts from 1 to {layers - 1}, "
+                     f"got {args.exact_lower_layers}.")
     if args.proportion_layer is not None and args.proportion_layer not in range(layers):
         parser.error(f"`--proportion_layer` must be a layer of the model, 0 to {layers - 1}, "
                      f"got {args.proportion_layer}.")
@@ -239,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
         bf16_gradients.to_precision(model, torch.float64)
         exact = gradients_at(model, batch, None)
         report.setdefault("float64_loss", {})[method] = round(exact["loss"], 6)
-        rows = site_rows(layers, args.block, tuple(args.detail_layers), base_projections(model), args.proportion_layer)
+        rows = site_rows(layers, args.block, tuple(args.detail_layers), base_projections(model), args.proportion_layer,
+                         tuple(args.exact_lower_layers))
         for sites in rows if method == "bitune" else rows[:1]:
             started = time.time()
             measured = gradients_at(model, batch, sites)

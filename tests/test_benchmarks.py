@@ -254,7 +254,8 @@ def test_serving_throughput_compares_batched_with_one_at_a_time_and_writes_its_r
 def test_bf16_sensitivity_rounds_exactly_the_sites_a_row_names():
     """benchmarks/bf16_sensitivity.py's float64 emulation of bf16: no site rounded is float64 to the bit; every site
     rounds each kind of operation once per call (layers x projections x passes) and moves the gradient by about
-    bf16's precision, as autocast does on this model."""
+    bf16's precision, as autocast does on this model; a scaled error is exact at scale 0 and the rounding at scale 1;
+    a float32 island leaves its layers unrounded."""
     sys.path.insert(0, str(BENCHMARKS))
     import bf16_gradients
     import bf16_sensitivity
@@ -301,3 +302,8 @@ def test_bf16_sensitivity_rounds_exactly_the_sites_a_row_names():
     in_float32 = bf16_sensitivity.gradients_at(model, batch, proportion[-1])
     for name, tensor in exact["gradients"].items():  # float32's rounding moves the gradient by float32's precision
         torch.testing.assert_close(in_float32["gradients"][name], tensor, rtol=1e-4, atol=1e-6 * tensor.abs().max())
+
+    (island,) = bf16_sensitivity.site_rows(num_layers=2, block=1, exact_lower_layers=(1,))[7:]
+    assert island.name == "every site but layers 0-0 (kept exact)"
+    assert bf16_sensitivity.gradients_at(model, batch, island)["rounded_calls"] == {
+        "base linears": 7 * 3, "LoRA linears": 7 * 3 * 2, "attention": 3, "LM head": 1}  # layer 1's and the head's
