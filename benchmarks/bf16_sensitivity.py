@@ -20,7 +20,7 @@ in every layer, then every kind in one block of layers.
 asks whether the gradient moves in proportion to the rounding error: layer 0 with bf16's error scaled by 1/8, 1/4,
 1/2, 1 and -1, then rounded to the finer float16 and float32. `--exact_lower_layers 1 5 15` rounds every site but
 those of the lowest 1, 5, 15 layers: what keeping them in float32 would give back. The float64 step with its rounded
-copies of weights and activations needs about 15 GiB on SmolLM2 with 8 rows (the command above: 12 minutes on one core).
+copies of weights and activations needs about 15 GiB on SmolLM2 with 8 rows (the command above: 12 minutes, one core).
 """
 
 from __future__ import annotations
