@@ -300,11 +300,13 @@ def bitune_at_problem(bitune_at: str) -> str | None:
     if bitune_at in BITUNE_STARTS:
         return None
     config = Path(bitune_at) / "adapter_config.json"
-    peft_type = json.loads(config.read_text()).get("peft_type") if config.is_file() else None
-    if peft_type == "BITUNE":
-        return None
-    problem = (f"{bitune_at!r} has no adapter_config.json" if not config.is_file()
-               else f"{bitune_at!r} holds a {peft_type} adapter, not a BITUNE one")
+    if not config.is_file():
+        problem = f"{bitune_at!r} has no adapter_config.json"
+    else:
+        peft_type = json.loads(config.read_text()).get("peft_type")
+        if peft_type == "BITUNE":
+            return None
+        problem = f"{bitune_at!r} holds a {peft_type} adapter, not a BITUNE one"
     return f"`--bitune_at` must be {' or '.join(BITUNE_STARTS)} or a saved Bitune adapter's folder: {problem}."
 
 
@@ -373,8 +375,8 @@ def main(argv: list[str] | None = None) -> None:
         return bf16_process(args.saved, args.isa, args.out)
     if args.batches < 1 or (args.batch_size is not None and args.batch_size < 1):
         parser.error(f"`--batches` and `--batch_size` must be at least 1, got {args.batches}, {args.batch_size}.")
-    if bitune_at_problem(args.bitune_at):
-        parser.error(bitune_at_problem(args.bitune_at))
+    if problem := bitune_at_problem(args.bitune_at):
+        parser.error(problem)
     if args.bitune_at not in BITUNE_STARTS:
         if len(args.models) != 1:
             parser.error(f"a trained adapter fits one base model: name it alone in `--models`, got {args.models}.")

@@ -60,9 +60,12 @@ class Rounding:
         return in_dtype if self.scale == 1 else tensor + self.scale * (in_dtype - tensor)
 
     @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def name(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
-        return f"rounded to {dtype}" if self.scale == 1 else f"{dtype} error x {self.scale:g}"
+        return f"rounded to {self.dtype_name}" if self.scale == 1 else f"{self.dtype_name} error x {self.scale:g}"
 
 
 class _Rounded(torch.autograd.Function):
@@ -221,8 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--with_lora", action="store_true", help="also LoRA's every-site row (its control)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    if bf16_gradients.bitune_at_problem(args.bitune_at):
-        parser.error(bf16_gradients.bitune_at_problem(args.bitune_at))
+    if problem := bf16_gradients.bitune_at_problem(args.bitune_at):
+        parser.error(problem)
     if args.block < 1 or (args.batch_size is not None and args.batch_size < 1):
         parser.error(f"`--block` and `--batch_size` must be at least 1, got {args.block}, {args.batch_size}.")
     if args.json and not Path(args.json).parent.is_dir():
@@ -257,8 +260,7 @@ def main(argv: list[str] | None = None) -> None:
             measured = gradients_at(model, batch, sites)
             row = {"method": method, "sites": sites.name, "kinds": list(sites.kinds),
                    "layers": list(sites.layers) if sites.layers else "all",
-                   "rounding": {"dtype": str(sites.rounding.dtype).removeprefix("torch."),
-                                "scale": sites.rounding.scale},
+                   "rounding": {"dtype": sites.rounding.dtype_name, "scale": sites.rounding.scale},
                    "loss": round(measured["loss"], 6),
                    "groups": bf16_gradients.agreement(measured["gradients"], exact["gradients"]),
                    "rounded_calls": measured["rounded_calls"],

@@ -284,7 +284,6 @@ def test_bf16_sensitivity_rounds_exactly_the_sites_a_row_names():
     assert [sites.name for sites in detail] == names
     assert bf16_sensitivity.gradients_at(model, batch, detail[0])["rounded_calls"] == {"base linears": 3}  # 3 passes
 
-
     proportion = bf16_sensitivity.site_rows(num_layers=2, block=1, proportion_layer=1)[7:]
     assert [sites.name for sites in proportion] == [
         "layer 1, every kind, bfloat16 error x 0.125", "layer 1, every kind, bfloat16 error x 0.25",
