@@ -519,8 +519,32 @@ def test_budget_report_puts_bf16_runs_beside_float32_ones(tmp_path):
         assert difference["mean"] == pytest.approx(expected) and difference["verdict"] == "behind"
     assert report["differences"]["Bitune − LoRA, 200 steps, bf16"]["average"]["mean"] == 0
     assert "| LoRA, 200 steps, bf16 | Bitune, 200 steps, bf16 |" in budget.markdown(report)
-    with pytest.raises(SystemExit, match="both of the setting 200 steps, bf16"):
+    with pytest.raises(SystemExit, match="setting 200 steps, bf16 both hold bitune, lora"):
         budget.merge([merged_report, bf16, bf16])
+
+
+def test_budget_report_joins_one_settings_methods_from_runs_with_other_seeds():
+    """A method whose later seeds have not run comes from its own run.py results, with fewer seeds: its column says
+    so, and its intervals resample its own seeds."""
+    budget = load_example("budget_report")
+    merged_report = json.loads((REPOSITORY / "docs" / "results" / "paper_tasks.json").read_text())
+    model = "SmolLM2-135M-Instruct"
+    three_seeds = _larger_budget(merged_report, model, lambda method, seed, rows: rows)
+    three_seeds["runs"] = {method: three_seeds["runs"][method] for method in ("lora_r16", "bitune")}
+    one_seed = _larger_budget(merged_report, model, lambda method, seed, rows: "1" * len(rows))
+    one_seed["settings"] = {**one_seed["settings"], "seeds": [0], "learning_rates": [0.0015], "threads": 2}
+    one_seed["runs"] = {"lora": {"0": one_seed["runs"]["lora"]["0"]}}
+    report = budget.merge([merged_report, three_seeds, one_seed])
+    assert sorted(report["budgets"]["600"]["runs"]) == ["bitune", "lora", "lora_r16"]
+    assert report["accuracy"]["600"]["lora"]["average"] == [1.0]
+    bitune_minus_lora = report["differences"]["Bitune − LoRA, 600 steps"]["average"]
+    assert bitune_minus_lora["mean"] == pytest.approx(np.mean(report["accuracy"]["600"]["bitune"]["average"]) - 1)
+    assert "| LoRA, 600 steps (1 seed) | LoRA r=16, 600 steps | Bitune, 600 steps |" in budget.markdown(report)
+    with pytest.raises(SystemExit, match="setting 600 steps both hold lora"):
+        budget.merge([merged_report, three_seeds, one_seed, one_seed])
+    one_seed["settings"]["train_rows"] = 2400
+    with pytest.raises(SystemExit, match=r"600 steps were trained differently \(train_rows\)"):
+        budget.merge([merged_report, three_seeds, one_seed])
 
 
 @pytest.mark.parametrize("results", ["paper_tasks_budget", "paper_tasks_bf16"])

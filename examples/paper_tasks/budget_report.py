@@ -17,9 +17,13 @@ page's tables. Each run is labelled by its steps, and `bf16` where it trained un
     python examples/paper_tasks/budget_report.py docs/results/paper_tasks.json out/paper_smollm2_bf16.json \
         --json docs/results/paper_tasks_bf16.json --images docs/images/paper_tasks_bf16
 
-Every difference is report.py's paired bootstrap (test rows paired, seeds resampled): Bitune and the variant against
-LoRA and against LoRA r=16 in each setting, the variant against Bitune, and each method's runs in a later setting
-against its 200-step float32 runs (600 − 200 steps; bf16 − float32).
+Several run.py results of one setting share its columns when each holds other methods, trained the same way: a
+method whose later seeds have not run yet comes from its own run.py command with fewer `--seeds`, and its column
+names its seeds.
+
+Every difference is report.py's paired bootstrap (test rows paired, each side's seeds resampled): Bitune and the
+variant against LoRA and against LoRA r=16 in each setting, the variant against Bitune, and each method's runs in a
+later setting against its 200-step float32 runs (600 − 200 steps; bf16 − float32).
 """
 
 from __future__ import annotations
@@ -90,6 +94,24 @@ def _from_run(results: dict) -> dict:
     return {"settings": results["settings"], "n_test": results["n_test"], "runs": runs}
 
 
+def _same_setting(earlier: dict, budget: dict, setting: str) -> dict:
+    """Two run.py results of one setting as one: each holds other methods (say, a method whose later seeds have not
+    run yet, given with fewer --seeds), trained the same way."""
+    shared = sorted(set(earlier["runs"]) & set(budget["runs"]))
+    if shared:
+        raise SystemExit(f"Two results of the setting {setting} both hold {', '.join(shared)}: give each method "
+                         "once (run.py's --json of all its seeds).")
+    varying = ("seeds", "learning_rates", "threads")  # which runs a command makes, not how they train
+    first, second = ({name: value for name, value in budget["settings"].items() if name not in varying}
+                     for budget in (earlier, budget))
+    if first != second:
+        differing = sorted(name for name in first.keys() | second.keys() if first.get(name) != second.get(name))
+        raise SystemExit(f"Two results of the setting {setting} were trained differently ({', '.join(differing)}): "
+                         "they cannot share a table.")
+    runs = {**earlier["runs"], **budget["runs"]}
+    return {**earlier, "runs": {method: runs[method] for method in METHODS if method in runs}}
+
+
 def _outcomes(budget: dict, method: str, tasks: list[str]) -> dict[str, np.ndarray]:
     records = budget["runs"][method].values()
     return {task: np.array([[row == "1" for row in record["rows"][task]] for record in records], dtype=float)
@@ -111,10 +133,10 @@ def merge(inputs: list[dict]) -> dict:
         if results["model"] != model or results["tasks"] != tasks:
             raise SystemExit(f"All results must be of {model} on {tasks}; got {results['model']} on "
                              f"{results['tasks']}.")
-        if label(results["settings"]) in budgets:
-            raise SystemExit(f"Two results are both of the setting {title(label(results['settings']))}: give each "
-                             "setting once (run.py's --json of all its seeds).")
-        budgets[label(results["settings"])] = _from_run(results)
+        setting, budget = label(results["settings"]), _from_run(results)
+        if setting in budgets:
+            budget = _same_setting(budgets[setting], budget, title(setting))
+        budgets[setting] = budget
     test_sets = {setting: (budget["n_test"], budget["settings"]["test_rows"],
                          budget["settings"]["mmlu_rows_per_subject"]) for setting, budget in budgets.items()}
     if len({repr(test_set) for test_set in test_sets.values()}) != 1:
@@ -145,10 +167,17 @@ def merge(inputs: list[dict]) -> dict:
 
 def markdown(report: dict) -> str:
     """The accuracy of every method in every setting (mean ± std over seeds), then every difference with its
-    interval."""
+    interval. Methods may have run different numbers of seeds: the intervals resample each side's own."""
     task_titles = _report_module().TASK_TITLES
     columns = [(setting, method) for setting, per_method in report["accuracy"].items() for method in per_method]
-    lines = ["| Task | test rows | " + " | ".join(f"{TITLES[m]}, {title(s)}" for s, m in columns) + " |",
+    seeds = {column: len(report["budgets"][column[0]]["runs"][column[1]]) for column in columns}
+
+    def heading(setting: str, method: str) -> str:  # the seeds are named where a column has other than the first's
+        count = seeds[setting, method]
+        other = f" ({count} seed{'s' if count > 1 else ''})" if count != seeds[columns[0]] else ""
+        return f"{TITLES[method]}, {title(setting)}{other}"
+
+    lines = ["| Task | test rows | " + " | ".join(heading(s, m) for s, m in columns) + " |",
              "| --- | ---: |" + " ---: |" * len(columns)]
     for task in [*report["tasks"], "average"]:
         rows = report["n_test"].get(task, sum(report["n_test"].values()))
