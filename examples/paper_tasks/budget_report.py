@@ -102,8 +102,8 @@ def _same_setting(earlier: dict, budget: dict, setting: str) -> dict:
         raise SystemExit(f"Two results of the setting {setting} both hold {', '.join(shared)}: give each method "
                          "once (run.py's --json of all its seeds).")
     varying = ("seeds", "learning_rates", "threads")  # which runs a command makes, not how they train
-    first, second = ({name: value for name, value in budget["settings"].items() if name not in varying}
-                     for budget in (earlier, budget))
+    first, second = ({name: value for name, value in results["settings"].items() if name not in varying}
+                     for results in (earlier, budget))
     if first != second:
         differing = sorted(name for name in first.keys() | second.keys() if first.get(name) != second.get(name))
         raise SystemExit(f"Two results of the setting {setting} were trained differently ({', '.join(differing)}): "
