@@ -280,7 +280,10 @@ def test_runner_scores_a_record_from_another_machine_by_training_its_adapter_aga
     assert record_path.read_text() == committed
     assert (work_dir / "adapters" / record_path.stem / "adapter_config.json").is_file()
     (tested_path,) = work_dir.glob("*-lora-lr0.001-seed0-test*.json")
-    assert json.loads(tested_path.read_text())["adapter_retrained"] is True
+    tested = json.loads(tested_path.read_text())
+    assert tested["adapter_retrained"] is True
+    # Same seed, data and threads: the adapter trained again is the committed one, as its loss shows.
+    assert tested["retrained_train_loss"] == pytest.approx(json.loads(committed)["train_loss"], rel=1e-6)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["runs"]["lora"]["0"]["validation"] == json.loads(committed)["validation"]
 

@@ -33,7 +33,9 @@ harness runs its forwards under its own `torch.autocast(enabled=mixed_precision_
 outer autocast off, so bf16 − float32 measures the training's precision alone.
 
 Each finished run is kept in `--work_dir` (its record as JSON, its adapter as a `save_pretrained` folder), so an
-interrupted experiment resumes, and several processes may share one folder. `--json` writes the model's results.
+interrupted experiment resumes, and several processes may share one folder. A record whose adapter is not there
+(records are committed, adapters are not) is trained again for its test scores; its test record says so and keeps the
+new training loss, to compare with the record's. `--json` writes the model's results.
 """
 
 from __future__ import annotations
@@ -433,8 +435,11 @@ class Experiment:
             started = time.time()
             tested = test_scores(model, self.tokenizer, self.data, self.settings)
             tested["test_seconds"] = round(time.time() - started, 1)
-            if retrained:
+            if retrained:  # the scores are the new adapter's: its loss shows how close it is to the record's
                 tested["adapter_retrained"] = True
+                tested["retrained_train_loss"] = trained["train_loss"]
+                self.log(f"{key}: trained again to loss {trained['train_loss']:.4f}, the record's "
+                         f"{record['train_loss']:.4f}")
             self.store.put(self.store.test_key(key), tested)
         self.log(f"{method} lr {learning_rate:g} seed {seed}: " + ", ".join(
             f"{task} {value:.3f}" for task, value in tested["accuracy"].items()) + f" {self._elapsed()}")
