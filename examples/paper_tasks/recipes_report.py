@@ -4,7 +4,7 @@ options beyond the paper"): merge the `--search_only` results of run.py into one
 Bitune and with LoRA of its stage and learning rate on the same validation rows (paired 95% bootstrap intervals over
 rows), draw the loss curves and the learned alphas, and print the page's tables.
 
-    python examples/paper_tasks/recipes_report.py out/variants_200.json out/lora_600.json \
+    python examples/paper_tasks/recipes_report.py out/variants_200.json out/search_600.json \
         --json docs/results/paper_tasks_recipes.json --images docs/images/paper_tasks_recipes
 
 A stage is one training budget (steps, training rows, validation slices): runs of different stages are never
