@@ -17,6 +17,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import compat
 from .common import max_positions, num_layers
+from .fused_head import check_fused_call, ensure_fused_head, fused_output
 from .inputs import check_continuation_arguments, training_sequence
 from .layout import ConversationLayout
 from .mixing import BituneKVMixer
@@ -52,8 +53,10 @@ class BituneForwardMixin:
         prompt_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        fused_lm_head: bool = False,
+        shift_labels: torch.Tensor | None = None,
         **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutputWithPast | Any:
         """
         The Bitune training forward.
 
@@ -73,6 +76,10 @@ class BituneForwardMixin:
                 name before transformers 5.24, is accepted too.
             num_items_in_batch (`int`, *optional*): the number of supervised tokens the loss is averaged over (passed
                 by `Trainer` under gradient accumulation); defaults to this batch's count.
+            fused_lm_head (`bool`, *optional*): TRL's fused-head call (`fused_head.py`): return per-token
+                log-probabilities of the labels instead of logits, scoring the answer positions only, in tiles. Rows
+                whose labels mark no answer token then score nothing, as with TRL's own head.
+            shift_labels (`torch.Tensor`, *optional*): refused (labels pre-shifted for context parallelism).
             kwargs: other arguments of the model's forward. The three passes cover different parts of each row, so
                 none is handed on: `position_ids` are accepted when they are the ordinary positions every pass uses
                 anyway (0, 1, ... over each row's real tokens), `logits_to_keep` when 0; anything else (e.g. packed
@@ -81,11 +88,22 @@ class BituneForwardMixin:
         Returns:
             `CausalLMOutputWithPast` whose `logits` (batch_size, seq_len, vocab) are aligned with the input. Positions
             before the last instruction token hold zeros: their logits are never used, and the LM head over a long
-            prompt with a large vocabulary is not free.
+            prompt with a large vocabulary is not free. With `fused_lm_head=True`, TRL's `FusedCausalLMOutput`, its
+            per-token fields (batch_size, seq_len - 1).
         """
         kwargs[compat.NEW_CACHE_NAME] = cache
         cache = compat.pop_cache(kwargs)  # `cache`, or its old name `past_key_values`
         disabled = self._adapters_disabled()
+        if fused_lm_head:
+            check_fused_call(labels, shift_labels, cache)
+            ensure_fused_head(self.model)
+            if disabled:  # the base model alone: its own fused head
+                return self.model(
+                    input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, labels=labels,
+                    num_items_in_batch=num_items_in_batch, fused_lm_head=True, **kwargs,
+                )
+        elif shift_labels is not None:
+            kwargs["shift_labels"] = shift_labels  # refused by name below, as any argument the passes cannot take
         if cache is not None and not disabled:
             check_continuation_arguments(labels, prompt_mask)
         if disabled or cache is not None:
@@ -107,10 +125,14 @@ class BituneForwardMixin:
             prompt_mask,
             device=sequence.device,
             mode=self.peft_config[self.active_adapter].multi_turn,
+            read_rows_without_answer=fused_lm_head,
         )
         check_sharding(self._router.index.decoder_layer_paths, num_layers(self.model), self.mixer)
         with self._router.checkpointing_keeps_caches():
-            answer_logits = self._passes().run_layout(layout, sequence)
+            answer_outputs = self._passes().run_layout(layout, sequence, fused_head=fused_lm_head)
+        if fused_lm_head:
+            return fused_output(layout, answer_outputs, sequence.shape[:2], num_items_in_batch)
+        answer_logits = [output.logits for output in answer_outputs]
         loss = None
         if labels is not None:
             loss = answer_loss(answer_logits, [turn.answer.labels for turn in layout.turns], num_items_in_batch)

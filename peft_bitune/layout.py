@@ -115,8 +115,15 @@ class ConversationLayout:
         prompt_mask: torch.Tensor | None,
         device: torch.device,
         mode: MultiTurnMode,
+        read_rows_without_answer: bool = False,
     ) -> ConversationLayout:
-        """Validate the inputs and derive the turns; raises `ValueError` on input Bitune cannot train on."""
+        """
+        Validate the inputs and derive the turns; raises `ValueError` on input Bitune cannot train on.
+
+        A row without an answer token is refused, unless `read_rows_without_answer`: then it is read as an instruction
+        whose last token is an answer with nothing to predict (it runs through every pass and scores nothing). TRL's
+        fused-head call needs that: GRPO and RLOO mask out truncated completions, and a batch must still run.
+        """
         batch_size, seq_len = sequence_shape[0], sequence_shape[1]
         for name, tensor in (("attention_mask", attention_mask), ("labels", labels), ("prompt_mask", prompt_mask)):
             if tensor is not None and tuple(tensor.shape) != (batch_size, seq_len):
@@ -144,8 +151,13 @@ class ConversationLayout:
         if labels is not None:
             effective_labels = labels.to(device).masked_fill(~is_answer, IGNORE_INDEX)
 
-        _check_rows(~is_answer.any(dim=1), "rows {rows} have no answer token (by " + boundary + "): there is "
-                    "nothing to train on")
+        without_answer = ~is_answer.any(dim=1)
+        if read_rows_without_answer:
+            last_token = torch.arange(seq_len, device=device)[None, :] == (row_starts + row_lengths - 1)[:, None]
+            is_answer = is_answer | (last_token & without_answer[:, None])
+        else:
+            _check_rows(without_answer, "rows {rows} have no answer token (by " + boundary + "): there is nothing "
+                        "to train on")
         _check_rows(is_answer.gather(1, row_starts[:, None])[:, 0], "rows {rows} start with an answer token (by "
                     + boundary + "): Bitune reads an instruction before each answer; add one (e.g. a BOS token or a "
                     "prompt template)")

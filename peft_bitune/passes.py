@@ -57,30 +57,32 @@ class BitunePasses:
     stop_early: bool
     decoder_layer_paths: Sequence[LayerPath]
 
-    def run_layout(self, layout: ConversationLayout, sequence: torch.Tensor) -> list[torch.Tensor]:
-        """All turns of a training batch; returns each turn's answer logits (rows, width, vocab), in layout order.
-        `sequence` is the input ids (batch, seq) or embeddings (batch, seq, hidden)."""
-        return [logits for turns, rows in layout.runs(sequence) for logits in self.run_turns(turns, rows)]
+    def run_layout(self, layout: ConversationLayout, sequence: torch.Tensor, fused_head: bool = False) -> list[Any]:
+        """All turns of a training batch; returns each turn's answer-pass output, in layout order. `sequence` is the
+        input ids (batch, seq) or embeddings (batch, seq, hidden). See `answer_pass` for `fused_head`."""
+        return [
+            output for turns, rows in layout.runs(sequence) for output in self.run_turns(turns, rows, fused_head)
+        ]
 
-    def run_turns(self, turns: list[Turn], sequence: torch.Tensor) -> list[torch.Tensor]:
+    def run_turns(self, turns: list[Turn], sequence: torch.Tensor, fused_head: bool = False) -> list[Any]:
         """
-        Run instruction/answer turns in order over one growing cache; returns each turn's answer logits.
+        Run instruction/answer turns in order over one growing cache; returns each turn's answer-pass output.
 
         Per turn: both prompt passes over x_1..x_{m-1} on top of the cache so far, their mix appended to the cache;
         then x_m and the answer causally, their causal keys/values appended for the next turn.
         """
         cache: TrainingCache | None = None
-        logits = []
+        outputs = []
         for number, turn in enumerate(turns):
             is_last = number == len(turns) - 1
             if turn.prefill.width > 0:
                 keys, values = self.mixed_prefill(turn.prefill, sequence, cache)
                 cache = TrainingCache.extend(cache, keys, values, turn.prefill.mask)
-            turn_logits, recorded = self.answer_pass(turn.answer, sequence, cache, record=not is_last)
-            logits.append(turn_logits)
+            output, recorded = self.answer_pass(turn.answer, sequence, cache, not is_last, fused_head)
+            outputs.append(output)
             if not is_last:
                 cache = TrainingCache.extend(cache, *recorded, turn.answer.mask)
-        return logits
+        return outputs
 
     def mixed_prefill(self, chunk: Chunk, sequence: torch.Tensor, cache: TrainingCache | None) -> KeyValues:
         """Steps 1-3 for one instruction segment: both prompt passes over its chunk, then the per-layer mix."""
@@ -112,18 +114,26 @@ class BitunePasses:
         return output
 
     def answer_pass(
-        self, chunk: Chunk, sequence: torch.Tensor, cache: TrainingCache | None, record: bool
-    ) -> tuple[torch.Tensor, KeyValues | None]:
-        """Step 4: x_m and the answer, causal weights, over the cache. Returns logits and, if `record`, the chunk's
-        causal keys/values."""
+        self, chunk: Chunk, sequence: torch.Tensor, cache: TrainingCache | None, record: bool, fused_head: bool = False
+    ) -> tuple[Any, KeyValues | None]:
+        """
+        Step 4: x_m and the answer, causal weights, over the cache. Returns the model's output and, if `record`, the
+        chunk's causal keys/values.
+
+        The output holds the chunk's logits (rows, width, vocab); with `fused_head`, it is TRL's fused-head output of
+        the chunk instead (per-token log-probabilities of the chunk's labels, never the logits): the base model
+        answers the fused call (`fused_head.ensure_fused_head`) with the chunk's labels, already shifted.
+        """
         answer_cache = _pass_cache(cache, self.model, record=record)
+        head = {"fused_lm_head": True, "shift_labels": chunk.labels} if fused_head else {}
         with self.weights(CAUSAL):
             output = self.model(
                 **chunk.pass_inputs(sequence, None if cache is None else cache.mask),
                 **compat.with_cache(self.model, answer_cache),
                 use_cache=False,
+                **head,
             )
-        return output.logits, (recorded_key_values(answer_cache) if record else None)
+        return output, (recorded_key_values(answer_cache) if record else None)
 
     def _gather_shards_for_recorded(self, cache: Cache) -> None:
         """Under FSDP2, the keys/values a prompt pass recorded leave each decoder layer through the cache, not through
