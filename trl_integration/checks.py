@@ -49,38 +49,42 @@ def as_bitune_config(args: TrainingArguments | None, model: Any) -> BituneSFTCon
     return BituneSFTConfig(**values)
 
 
-def bitune_peft_config(model: Any, peft_config: PeftConfig | None) -> PeftConfig | None:
-    """`BituneConfig()` by default; the model's own adapter when it already is a Bitune `PeftModel`."""
+def bitune_peft_config(
+    model: Any, peft_config: PeftConfig | None, trainer: str = "BituneSFTTrainer"
+) -> PeftConfig | None:
+    """`BituneConfig()` by default; the model's own adapter when it already is a Bitune `PeftModel`. `trainer` names
+    the Bitune trainer in the refusals (TRL's own trainer is its name without "Bitune")."""
+    plain = "trl." + trainer.replace("Bitune", "", 1)
     if isinstance(model, PeftModel):
         if not isinstance(model.base_model, BituneModel):
             raise ValueError(
                 f"`model` is a PeftModel with a {type(model.peft_config[model.active_adapter]).__name__} adapter; "
-                "BituneSFTTrainer trains Bitune adapters. Pass the base model (and optionally a `BituneConfig`), or "
-                "use `trl.SFTTrainer` for other PEFT methods."
+                f"{trainer} trains Bitune adapters. Pass the base model (and optionally a `BituneConfig`), or "
+                f"use `{plain}` for other PEFT methods."
             )
-        return peft_config  # SFTTrainer refuses a second config on a PeftModel with its own message
+        return peft_config  # the TRL trainer refuses a second config on a PeftModel with its own message
     if peft_config is None:
         return BituneConfig()
     if not isinstance(peft_config, BituneConfig):
         raise ValueError(
             f"`peft_config` must be a `BituneConfig`, got {type(peft_config).__name__}. To train Bitune with this "
             f"method, wrap it: `BituneConfig(adapter_config={type(peft_config).__name__}(...))`; to train it alone, "
-            "use `trl.SFTTrainer`."
+            f"use `{plain}`."
         )
     return peft_config
 
 
-# The `loss_type`s that `compute_loss` implements (TRL's own, which it replaces, is not called).
+# The `loss_type`s that TRL's `SFTTrainer.compute_loss` computes. TRL checks the value only when the trainer is made,
+# after the model has loaded, and computes any other value set later as "nll" without a word.
 IMPLEMENTED_LOSS_TYPES = ("nll", "dft")
 
 
 def check_loss_type(args: TrainingArguments) -> None:
-    """Refuse a `loss_type` that `compute_loss` does not implement: one that a later TRL accepts would otherwise be
-    trained as plain NLL without a word."""
+    """Refuse a `loss_type` that TRL's `compute_loss` does not compute, before the model loads and at every step."""
     if args.loss_type not in IMPLEMENTED_LOSS_TYPES:
         raise ValueError(
-            f"`loss_type={args.loss_type!r}` is not implemented by BituneSFTTrainer, which computes the loss from the "
-            f"Bitune forward itself and knows {list(IMPLEMENTED_LOSS_TYPES)}. Use one of those; for another loss, "
+            f"`loss_type={args.loss_type!r}` is not implemented by BituneSFTTrainer, whose loss is TRL's "
+            f"`SFTTrainer` loss and knows {list(IMPLEMENTED_LOSS_TYPES)}. Use one of those; for another loss, "
             "pass a `compute_loss_func` (with `loss_type='nll'`)."
         )
 

@@ -7,9 +7,8 @@ to:
 
 - apply a Bitune `peft_config` (the default) and refuse any other;
 - refuse, before any work, data and settings that carry no boundary or break the three-pass forward (`checks.py`);
-- compute the loss through the Bitune forward. TRL's own `compute_loss` asks the model for a fused LM head over the
-  whole input, which would read the instruction causally with one weight set, so it is replaced; TRL's metrics
-  (token accuracy, entropy) are computed from the Bitune forward's logits instead;
+- hand TRL's own `compute_loss` the instruction boundary for the forwards it makes without labels; the fused-head
+  call it makes for the loss and its metrics (token accuracy, entropy) is answered by the Bitune forward itself;
 - add the mixing coefficients to the training logs (a `BituneMixingCallback`, which a plain `Trainer` can use too).
 """
 
@@ -24,13 +23,10 @@ from typing import Any
 import torch
 import transformers
 from datasets import Dataset, IterableDataset
-from packaging.version import Version
 from peft import PeftConfig, PeftModel
-from torch.nn import functional as F
 from transformers import TrainingArguments
 from trl import SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-from trl.trainer.utils import entropy_from_logits
 
 from peft_bitune import BituneMixingCallback, BituneModel
 from peft_bitune.callbacks import BituneMixingWarmupCallback, gathered_mixing_scalars
@@ -225,60 +221,20 @@ class BituneSFTTrainer(SFTTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """The Bitune forward's loss, with TRL's metrics (entropy, token accuracy, token count) from its logits."""
-        mode = "train" if self.model.training else "eval"
+        """
+        TRL's own loss and metrics (`SFTTrainer.compute_loss`) on the Bitune forward, which answers TRL's fused-head
+        call on its answer passes (`peft_bitune.fused_head`). The batch gains a `prompt_mask` read from its labels
+        (1 where they are -100): the forwards TRL makes without labels, for `compute_loss_func`, label smoothing and
+        `return_outputs`, then find the same instructions and answers as the fused call.
+        """
         if "labels" not in inputs:
             raise ValueError(
                 "The batch has no `labels`: Bitune finds each row's instructions and answers from them (-100 on "
-                "instruction tokens), and TRL's metrics need them. Make the data collator return labels."
+                "instruction tokens), and TRL's loss and metrics need them. Make the data collator return labels."
             )
         check_loss_type(self.args)  # again: `args.loss_type` may have been changed after the trainer was made
-        labels = inputs["labels"]
-        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
-        # The logits are aligned with the input (position t predicts token t + 1) and zero before the last instruction
-        # token, where nothing is supervised.
-        target_mask = labels[:, 1:] != IGNORE_INDEX
-        targets = labels[:, 1:][target_mask]
-
-        if self.compute_loss_func is not None:
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        elif self.label_smoother is not None and self.args.loss_type == "nll":
-            kwargs = {}
-            if Version(transformers.__version__) >= Version("5.15.0"):
-                kwargs["num_items_in_batch"] = num_items_in_batch
-            loss = self.label_smoother(outputs, labels, shift_labels=True, **kwargs)
-        elif self.args.loss_type == "dft":
-            # Dynamic Fine-Tuning (https://huggingface.co/papers/2508.05629): each token's NLL times its probability
-            target_logits = outputs.logits[:, :-1][target_mask].float()  # (num_targets, vocab)
-            log_probs = F.log_softmax(target_logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
-            num_tokens = target_mask.sum() if num_items_in_batch is None else num_items_in_batch
-            loss = -(log_probs * log_probs.exp().detach()).sum() / torch.as_tensor(num_tokens).clamp(min=1)
-        else:  # "nll"
-            loss = outputs.loss
-        # As in `Trainer.compute_loss`: `num_items_in_batch` counts every rank's tokens, and DDP averages gradients.
-        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
-
-        with torch.no_grad():
-            # In the logits' dtype, as TRL's own metrics
-            self._record_token_metrics(mode, outputs.logits[:, :-1][target_mask], targets, inputs)
-        return (loss, outputs) if return_outputs else loss
-
-    def _record_token_metrics(
-        self, mode: str, target_logits: torch.Tensor, targets: torch.Tensor, inputs: dict[str, Any]
-    ) -> None:
-        """TRL's `entropy`, `mean_token_accuracy` and `num_tokens`, over the supervised next-token predictions."""
-        entropy = entropy_from_logits(target_logits)  # chunked: no (num_targets, vocab) float32 softmax at once
-        is_top1 = target_logits.argmax(dim=-1) == targets
-        num_valid = self.accelerator.gather_for_metrics(torch.tensor(targets.numel(), device=targets.device)).sum()
-        entropy_sum = self.accelerator.gather_for_metrics(entropy.sum()).sum()
-        num_correct = self.accelerator.gather_for_metrics(is_top1.sum()).sum()
-        self._metrics[mode]["entropy"].append((entropy_sum / num_valid).item() if num_valid > 0 else 0.0)
-        self._metrics[mode]["mean_token_accuracy"].append((num_correct / num_valid).item() if num_valid > 0 else 0.0)
-        if mode == "train":
-            num_tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
-            self._total_train_tokens += num_tokens // self._tp_size
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        inputs = {**inputs, "prompt_mask": (inputs["labels"] == IGNORE_INDEX).long()}
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     # ------------------------------------------------------------------ model card
     def create_model_card(

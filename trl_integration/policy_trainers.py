@@ -1,0 +1,165 @@
+"""TRL's DPO, KTO, GRPO and RLOO trainers for Bitune adapters: `BituneDPOTrainer`, `BituneKTOTrainer`,
+`BituneGRPOTrainer` and `BituneRLOOTrainer`.
+
+The Bitune forward answers TRL's fused-head call (`peft_bitune.fused_head`), so TRL's own trainers run a Bitune
+adapter. They would train it against the wrong reference, without a word:
+
+- given a trained adapter and no `ref_model`, TRL adds a "ref" adapter and copies the parameters whose names hold
+  `.default.`; a Bitune adapter's weight sets are `default__causal` and `default__bidirectional`, so only the mixing
+  scalars are copied, and the reference is a fresh adapter;
+- given a fresh adapter (`peft_config`), the reference is the model with its adapters disabled: for LoRA that is the
+  starting policy (B = 0), for Bitune it is not (the bidirectional read of the base weights is mixed in at alpha_0).
+
+Each subclass therefore makes the "ref" adapter an exact copy of the policy's adapter, through PEFT's state-dict
+functions, before the first reference log-probability is computed; TRL's own code then uses it for every reference
+forward (`trl.trainer.utils.use_adapter`), frozen. Everything else is TRL's. Subclasses rather than TRL's classes
+unchanged, because nothing else can act between TRL making the adapter and TRL using the reference. They also refuse,
+before any work, the options a Bitune adapter cannot run, naming the option and why.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+from trl import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer
+
+from peft_bitune.lookup import find_bitune_tuner
+
+from .checks import bitune_peft_config
+
+# The adapter name TRL's trainers look for when they compute reference log-probabilities.
+REFERENCE_ADAPTER = "ref"
+
+# Options of TRL's configs that cannot work with a Bitune adapter, and why; refused when set (truthy).
+_OPTIONS_BITUNE_CANNOT_RUN = {
+    "use_vllm": "vLLM generates with its own model runner, which reads each prompt once, causally, with merged "
+    "weights; a Bitune adapter cannot be merged and must read the prompt twice. Generation goes through "
+    "`model.generate`, which does: leave `use_vllm=False`",
+    "use_transformers_continuous_batching": "transformers' continuous batching fills its own paged cache, without "
+    "Bitune's two prompt passes and mixing. Generation goes through `model.generate`, which has them: leave it False",
+    "use_transformers_paged": "transformers' paged generation fills its own paged cache, without Bitune's two prompt "
+    "passes and mixing. Leave it False",
+    "padding_free": "padding-free batches pack several rows into one, and the Bitune forward reads each row's "
+    "instruction from a padded row of its own. Train on padded batches",
+    "packing": "packed batches put several rows into one, and the Bitune forward reads each row's instruction from a "
+    "padded row of its own. Train on padded batches",
+    "use_liger_kernel": "Liger's kernels replace the model's forward and loss, which the Bitune forward runs in three "
+    "passes of its own. Leave it False (the fused LM head already keeps the logits out of memory)",
+    "sync_ref_model": "the reference is a frozen copy of the policy's adapter; TRL keeps no separate reference model "
+    "to synchronise for an adapter. Leave it False",
+}
+
+# Arguments of the trainers' own that cannot work with a Bitune adapter, and why; refused when given (not None).
+_ARGUMENTS_BITUNE_CANNOT_RUN = {
+    "tools": "a tool's output enters the completion as new instruction tokens, which generation reads as a fresh "
+    "prompt (twice) but the scoring forward would read as part of the answer; the two would not agree",
+    "environment_factory": "an environment's replies enter the completion as new instruction tokens, which "
+    "generation reads as a fresh prompt (twice) but the scoring forward would read as part of the answer; the two "
+    "would not agree",
+}
+
+
+class BituneReferenceMixin:
+    """
+    Train a Bitune adapter with a TRL trainer whose reference is the policy as training starts: the "ref" adapter,
+    an exact, frozen copy of the policy's adapter (see the module's docstring). Mixed in before the TRL trainer class.
+
+    Every argument means what it means for the TRL trainer, with these differences: `peft_config` defaults to
+    `BituneConfig()` and must be a `BituneConfig`; `model` may be a `PeftModel` only with a Bitune adapter; options
+    that cannot work with a Bitune adapter are refused before the model loads.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = inspect.signature(super().__init__).bind(*args, **kwargs)
+        arguments = bound.arguments
+        model = arguments["model"]
+        arguments["peft_config"] = bitune_peft_config(model, arguments.get("peft_config"), type(self).__name__)
+        _refuse_what_bitune_cannot_run(arguments)
+        self._bitune_reference_ready = False
+        super().__init__(*bound.args, **bound.kwargs)
+        self._prepare_reference()
+
+    def _uses_reference(self) -> bool:
+        """Whether the trainer computes reference log-probabilities at all (GRPO and RLOO only when `beta` != 0)."""
+        return True
+
+    def _prepare_reference(self) -> None:
+        """Make the "ref" adapter an exact copy of the policy's adapter, once, unless a `ref_model` was given."""
+        if self._bitune_reference_ready:
+            return
+        self._bitune_reference_ready = True
+        if getattr(self, "ref_model", None) is not None or not self._uses_reference():
+            return
+        copy_policy_to_reference(self.accelerator.unwrap_model(self.model))
+
+
+def copy_policy_to_reference(model: PeftModel) -> None:
+    """
+    Add (or overwrite) the "ref" adapter of a Bitune `PeftModel` as an exact copy of its active adapter: the same
+    config, every weight of both weight sets and the mixing scalars, copied through PEFT's state-dict functions (a
+    Bitune load checks that every weight arrives). Frozen: it is never the active adapter while training.
+    """
+    policy = model.active_adapter
+    if REFERENCE_ADAPTER not in model.peft_config:
+        config = copy.deepcopy(model.peft_config[policy])
+        config.inference_mode = True  # never trains, even while TRL makes it the active adapter
+        model.add_adapter(REFERENCE_ADAPTER, config)
+    state = get_peft_model_state_dict(model, adapter_name=policy)
+    set_peft_model_state_dict(model, state, adapter_name=REFERENCE_ADAPTER)
+    find_bitune_tuner(model).set_requires_grad(REFERENCE_ADAPTER, requires_grad=False)
+
+
+def _refuse_what_bitune_cannot_run(arguments: dict[str, Any]) -> None:
+    """Refuse, by name and before any work, the options and arguments a Bitune adapter cannot run."""
+    args = arguments.get("args")
+    for option, reason in _OPTIONS_BITUNE_CANNOT_RUN.items():
+        if args is not None and getattr(args, option, None):
+            raise ValueError(f"`{option}=True` cannot be used with a Bitune adapter: {reason}.")
+    for name, reason in _ARGUMENTS_BITUNE_CANNOT_RUN.items():
+        if arguments.get(name) is not None:
+            raise ValueError(f"`{name}` cannot be used with a Bitune adapter: {reason}.")
+
+
+class _PrecomputedReferenceMixin(BituneReferenceMixin):
+    """DPO and KTO may compute the reference log-probabilities of the whole dataset while the trainer is made
+    (`precompute_ref_log_probs=True`), before `__init__` returns: the reference is prepared first."""
+
+    def _precompute_ref_logps(self, *args: Any, **kwargs: Any) -> Any:
+        self._prepare_reference()
+        return super()._precompute_ref_logps(*args, **kwargs)
+
+
+class _KLPenaltyMixin(BituneReferenceMixin):
+    """GRPO and RLOO compute reference log-probabilities only for their KL penalty (`beta` != 0)."""
+
+    def _uses_reference(self) -> bool:
+        return self.beta != 0.0
+
+
+class BituneDPOTrainer(_PrecomputedReferenceMixin, DPOTrainer):
+    """[`~trl.DPOTrainer`] for a Bitune adapter, against the policy as training starts (see `BituneReferenceMixin`)."""
+
+    _tag_names = [*DPOTrainer._tag_names, "bitune"]
+
+
+class BituneKTOTrainer(_PrecomputedReferenceMixin, KTOTrainer):
+    """[`~trl.KTOTrainer`] for a Bitune adapter, against the policy as training starts (see `BituneReferenceMixin`)."""
+
+    _tag_names = [*KTOTrainer._tag_names, "bitune"]
+
+
+class BituneGRPOTrainer(_KLPenaltyMixin, GRPOTrainer):
+    """[`~trl.GRPOTrainer`] for a Bitune adapter: completions from the Bitune `generate`, the KL penalty (`beta` != 0)
+    against the policy as training starts (see `BituneReferenceMixin`)."""
+
+    _tag_names = [*GRPOTrainer._tag_names, "bitune"]
+
+
+class BituneRLOOTrainer(_KLPenaltyMixin, RLOOTrainer):
+    """[`~trl.RLOOTrainer`] for a Bitune adapter: completions from the Bitune `generate`, the KL penalty (`beta` != 0)
+    against the policy as training starts (see `BituneReferenceMixin`)."""
+
+    _tag_names = [*RLOOTrainer._tag_names, "bitune"]
