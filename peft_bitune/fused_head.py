@@ -80,8 +80,12 @@ def fused_output(
     for name in (*PER_TOKEN_FIELDS, "label_mask"):
         values = [getattr(output, name) for output in answer_outputs]
         # A chunk's position j is input position `index[j]` and scores the token after it, which is where TRL's
-        # (batch, seq_len - 1) layout puts it; the last input position scores nothing.
-        fields[name] = None if values[0] is None else layout.scatter_answers(values, batch_size, seq_len)[:, :-1]
+        # (batch, seq_len - 1) layout puts it; the last input position scores nothing. A copy, not a view: FSDP2
+        # hooks the backward of a model's outputs, and an in-place op on a returned view would drop that hook.
+        if values[0] is not None:
+            fields[name] = layout.scatter_answers(values, batch_size, seq_len)[:, :-1].clone()
+        else:
+            fields[name] = None
     label_mask = fields["label_mask"]
     count = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     if isinstance(count, torch.Tensor):

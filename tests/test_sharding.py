@@ -30,6 +30,10 @@ CASES = [
     {"name": "fsdp2_checkpointing", "sharding": "fsdp2", "gradient_checkpointing": True},  # non-reentrant
     # The loss recomputed from the logits after an in-place op on them, with the root's parameters freed after forward.
     {"name": "fsdp2_in_place_on_logits", "sharding": "fsdp2_root_resharded", "in_place_on_logits": True},
+    # TRL's fused-head call (`fused_lm_head=True`), as every TRL trainer makes it, also with checkpointing.
+    {"name": "fsdp2_fused_head", "sharding": "fsdp2", "fused_head": True},
+    {"name": "fsdp2_fused_head_checkpointing", "sharding": "fsdp2", "fused_head": True,
+     "gradient_checkpointing": True},
     {"name": "fsdp1", "sharding": "fsdp1"},
     {"name": "fsdp2_layers_only", "sharding": "fsdp2_layers_only"},
 ]
@@ -85,7 +89,11 @@ def test_reference_trains_both_weight_sets_and_the_mixing_scalars(reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "case", ["fsdp2", "fsdp2_accelerate", "fsdp2_checkpointing", "fsdp2_in_place_on_logits", "fsdp1"]
+    "case",
+    [
+        "fsdp2", "fsdp2_accelerate", "fsdp2_checkpointing", "fsdp2_in_place_on_logits", "fsdp2_fused_head",
+        "fsdp2_fused_head_checkpointing", "fsdp1",
+    ],
 )
 def test_sharded_training_matches_one_process(sharded_runs, reference, case):
     outcome = sharded_runs[case]
@@ -104,7 +112,9 @@ def test_sharded_training_matches_one_process(sharded_runs, reference, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["fsdp2", "fsdp2_accelerate", "fsdp2_checkpointing", "fsdp2_in_place_on_logits"])
+@pytest.mark.parametrize(
+    "case", ["fsdp2", "fsdp2_accelerate", "fsdp2_checkpointing", "fsdp2_in_place_on_logits", "fsdp2_fused_head"]
+)
 def test_fsdp2_units_return_no_views(sharded_runs, case):
     """An in-place op on a view that a unit returned would drop FSDP2's pre-backward hook (which gathers the unit's
     parameters again), and FSDP2 warns about every such output."""
