@@ -23,12 +23,14 @@ import copy
 import inspect
 from typing import Any
 
+from datasets import Dataset
 from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from trl import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer
 
+from peft_bitune.common import format_rows
 from peft_bitune.lookup import find_bitune_tuner
 
-from .checks import bitune_peft_config
+from .checks import bitune_peft_config, named_eval_datasets
 
 # The adapter name TRL's trainers look for when they compute reference log-probabilities.
 REFERENCE_ADAPTER = "ref"
@@ -40,8 +42,6 @@ _OPTIONS_BITUNE_CANNOT_RUN = {
     "`model.generate`, which does: leave `use_vllm=False`",
     "use_transformers_continuous_batching": "transformers' continuous batching fills its own paged cache, without "
     "Bitune's two prompt passes and mixing. Generation goes through `model.generate`, which has them: leave it False",
-    "use_transformers_paged": "transformers' paged generation fills its own paged cache, without Bitune's two prompt "
-    "passes and mixing. Leave it False",
     "padding_free": "padding-free batches pack several rows into one, and the Bitune forward reads each row's "
     "instruction from a padded row of its own. Train on padded batches",
     "packing": "packed batches put several rows into one, and the Bitune forward reads each row's instruction from a "
@@ -80,6 +80,9 @@ class BituneReferenceMixin:
         _refuse_what_bitune_cannot_run(arguments)
         self._bitune_reference_ready = False
         super().__init__(*bound.args, **bound.kwargs)
+        datasets = {"train_dataset": self.train_dataset, **named_eval_datasets(self.eval_dataset)}
+        for name, dataset in datasets.items():
+            _check_no_empty_segments(dataset, name)
         self._prepare_reference()
 
     def _uses_reference(self) -> bool:
@@ -110,6 +113,29 @@ def copy_policy_to_reference(model: PeftModel) -> None:
     state = get_peft_model_state_dict(model, adapter_name=policy)
     set_peft_model_state_dict(model, state, adapter_name=REFERENCE_ADAPTER)
     find_bitune_tuner(model).set_requires_grad(REFERENCE_ADAPTER, requires_grad=False)
+
+
+# The token columns of TRL's prepared preference rows (DPO: prompt, chosen, rejected; KTO: prompt, completion).
+_SEGMENT_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids", "completion_ids")
+
+
+def _check_no_empty_segments(dataset: Any, name: str) -> None:
+    """Refuse, before training, a prepared row whose prompt or completion tokenised to nothing: Bitune reads an
+    instruction before every answer, and scores an answer of at least one token. (An `IterableDataset` is checked
+    batch by batch instead, by the Bitune forward.)"""
+    if not isinstance(dataset, Dataset):
+        return
+    for column in _SEGMENT_COLUMNS:
+        if column in dataset.column_names:
+            empty = [index for index, ids in enumerate(dataset[column]) if len(ids) == 0]
+            if empty:
+                segment = column.removesuffix("_ids")
+                raise ValueError(
+                    f"Rows {format_rows(empty)} of {name} have an empty {segment} once tokenised (rows counted after "
+                    f"TRL's preparation, which drops rows whose prompt alone fills `max_length`). Bitune reads an "
+                    f"instruction before each answer and scores at least one answer token: give every row a non-empty "
+                    f"prompt and completion (or a tokenizer that adds a BOS token)."
+                )
 
 
 def _refuse_what_bitune_cannot_run(arguments: dict[str, Any]) -> None:

@@ -1,0 +1,215 @@
+"""TRL's DPO, KTO, GRPO and RLOO trainers on a Bitune adapter (`trl_integration.policy_trainers`), on the tiny Llama
+of the TRL tests: the reference is the policy as training starts, exactly (DPO's step-0 loss is ln 2 and its rewards
+0, for a trained and for a fresh adapter; the KL of GRPO and RLOO is 0 at step 0), it stays frozen while the policy
+moves, and what a Bitune adapter cannot run is refused before any work."""
+
+from __future__ import annotations
+
+import math
+
+import datasets
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from transformers import AutoModelForCausalLM
+from trl import DPOConfig, DPOTrainer, GRPOConfig, KTOConfig, RLOOConfig
+
+import trl_helpers as helpers
+from peft_bitune import BituneConfig
+from trl_integration import BituneDPOTrainer, BituneGRPOTrainer, BituneKTOTrainer, BituneRLOOTrainer
+from trl_integration.policy_trainers import REFERENCE_ADAPTER
+
+datasets.disable_progress_bars()
+
+COMMON = dict(
+    per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2, report_to=[], logging_steps=1,
+    save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, seed=0, dataloader_num_workers=0,
+)
+
+
+def random_bitune_config() -> BituneConfig:
+    """Both weight sets non-zero from the start, so that a reference that is not an exact copy shows."""
+    return BituneConfig(adapter_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                  init_lora_weights=False))
+
+
+def preference_rows(count: int = 16) -> Dataset:
+    pairs = helpers.arithmetic_rows(count)
+    return Dataset.from_list([
+        {"prompt": f"{question} answer :", "chosen": f" {answer}", "rejected": f" {int(answer.split()[0]) + 1}"}
+        for question, answer in pairs
+    ])
+
+
+def trained_adapter(model_dir: str):
+    """A Bitune `PeftModel` as after SFT: random, trainable weights and mixing scalars."""
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), random_bitune_config())
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def adapter_weights(model, adapter_name: str) -> dict[str, torch.Tensor]:
+    return {key: value.clone() for key, value in get_peft_model_state_dict(model, adapter_name=adapter_name).items()}
+
+
+def dpo_args(tmp_path, **overrides) -> DPOConfig:
+    return DPOConfig(output_dir=str(tmp_path), **{**COMMON, **overrides})
+
+
+# ---------------------------------------------------------------------- DPO: the reference is the starting policy
+@pytest.mark.parametrize("start", ["trained", "fresh"])
+def test_dpo_starts_at_ln2_with_zero_rewards(tmp_path, trl_model_dir, start):
+    model = trained_adapter(trl_model_dir) if start == "trained" else trl_model_dir
+    peft_config = None if start == "trained" else random_bitune_config()
+    trainer = BituneDPOTrainer(model=model, args=dpo_args(tmp_path), train_dataset=preference_rows(),
+                               processing_class=helpers.build_tokenizer(), peft_config=peft_config)
+    trainer.train()
+    assert logged(trainer, "loss")[0] == pytest.approx(math.log(2), abs=1e-5)
+    assert logged(trainer, "rewards/chosen")[0] == 0.0 and logged(trainer, "rewards/rejected")[0] == 0.0
+    assert all(math.isfinite(loss) for loss in logged(trainer, "loss"))
+
+
+@pytest.mark.parametrize("start", ["trained", "fresh"])
+def test_trl_dpo_trainer_alone_would_use_another_reference(tmp_path, trl_model_dir, start):
+    """Why the subclass exists: TRL's own trainer copies only the mixing scalars of a trained adapter, and uses the
+    base model (adapters disabled) for a fresh one; either way its step-0 loss is not ln 2."""
+    if start == "trained":
+        model = trained_adapter(trl_model_dir)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(trl_model_dir)
+    peft_config = None if start == "trained" else random_bitune_config()
+    trainer = DPOTrainer(model=model, args=dpo_args(tmp_path, max_steps=1), train_dataset=preference_rows(),
+                         processing_class=helpers.build_tokenizer(), peft_config=peft_config)
+    trainer.train()
+    assert abs(logged(trainer, "loss")[0] - math.log(2)) > 1e-4
+
+
+def test_dpo_reference_stays_the_starting_adapter(tmp_path, trl_model_dir):
+    model = trained_adapter(trl_model_dir)
+    start = adapter_weights(model, "default")
+    trainer = BituneDPOTrainer(model=model, args=dpo_args(tmp_path), train_dataset=preference_rows(),
+                               processing_class=helpers.build_tokenizer())
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    before, _ = trainer.compute_ref_log_probs(trainer.model, batch)
+    trainer.train()
+    after, _ = trainer.compute_ref_log_probs(trainer.model, batch)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    reference = adapter_weights(model, REFERENCE_ADAPTER)
+    assert reference.keys() == start.keys()
+    assert all(torch.equal(reference[key], start[key]) for key in start)
+    trained = adapter_weights(model, "default")
+    assert any(not torch.equal(trained[key], start[key]) for key in start)  # the policy moved
+    assert not any(p.requires_grad for n, p in model.named_parameters() if f"{REFERENCE_ADAPTER}__" in n
+                   or f"bitune_mixers.{REFERENCE_ADAPTER}." in n)
+
+
+def test_dpo_precomputed_reference_starts_at_ln2(tmp_path, trl_model_dir):
+    trainer = BituneDPOTrainer(model=trained_adapter(trl_model_dir),
+                               args=dpo_args(tmp_path, precompute_ref_log_probs=True, max_steps=1),
+                               train_dataset=preference_rows(), processing_class=helpers.build_tokenizer())
+    trainer.train()
+    assert logged(trainer, "loss")[0] == pytest.approx(math.log(2), abs=1e-5)
+
+
+# ---------------------------------------------------------------------- KTO, GRPO, RLOO run and keep the reference
+def test_kto_trains_against_the_starting_adapter(tmp_path, trl_model_dir):
+    pairs = helpers.arithmetic_rows(16)
+    rows = Dataset.from_list([{"prompt": f"{q} answer :", "completion": f" {a}", "label": i % 2 == 0}
+                              for i, (q, a) in enumerate(pairs)])
+    model = trained_adapter(trl_model_dir)
+    start = adapter_weights(model, "default")
+    trainer = BituneKTOTrainer(model=model, args=KTOConfig(output_dir=str(tmp_path), **COMMON), train_dataset=rows,
+                               processing_class=helpers.build_tokenizer())
+    trainer.train()
+    assert logged(trainer, "rewards/chosen")[0] == 0.0 and logged(trainer, "kl")[0] == 0.0
+    assert all(math.isfinite(loss) for loss in logged(trainer, "loss"))
+    reference, trained = adapter_weights(model, REFERENCE_ADAPTER), adapter_weights(model, "default")
+    assert all(torch.equal(reference[key], start[key]) for key in start)
+    assert any(not torch.equal(trained[key], start[key]) for key in start)
+
+
+def completion_length_reward(completions, **kwargs) -> list[float]:
+    return [float(len(completion)) for completion in completions]
+
+
+@pytest.mark.parametrize(("trainer_class", "config_class"), [(BituneGRPOTrainer, GRPOConfig),
+                                                              (BituneRLOOTrainer, RLOOConfig)])
+def test_grpo_and_rloo_train_against_the_starting_adapter(tmp_path, trl_model_dir, trainer_class, config_class):
+    prompts = Dataset.from_list([{"prompt": f"{q} answer :"} for q, _ in helpers.arithmetic_rows(16)])
+    model = trained_adapter(trl_model_dir)
+    start = adapter_weights(model, "default")
+    args = config_class(output_dir=str(tmp_path), num_generations=2, max_completion_length=6, beta=0.05,
+                        mask_truncated_completions=True, **COMMON)
+    trainer = trainer_class(model=model, reward_funcs=completion_length_reward, args=args, train_dataset=prompts,
+                            processing_class=helpers.build_tokenizer())
+    trainer.train()
+    assert logged(trainer, "kl")[0] == 0.0  # the policy and the reference agree before the first update
+    assert all(math.isfinite(loss) for loss in logged(trainer, "loss"))
+    reference, trained = adapter_weights(model, REFERENCE_ADAPTER), adapter_weights(model, "default")
+    assert all(torch.equal(reference[key], start[key]) for key in start)
+    assert any(not torch.equal(trained[key], start[key]) for key in start)
+
+
+def test_grpo_without_kl_penalty_adds_no_reference(tmp_path, trl_model_dir):
+    prompts = Dataset.from_list([{"prompt": f"{q} answer :"} for q, _ in helpers.arithmetic_rows(8)])
+    args = GRPOConfig(output_dir=str(tmp_path), num_generations=2, max_completion_length=4, **{**COMMON,
+                                                                                              "max_steps": 1})
+    trainer = BituneGRPOTrainer(model=trained_adapter(trl_model_dir), reward_funcs=completion_length_reward,
+                                args=args, train_dataset=prompts, processing_class=helpers.build_tokenizer())
+    assert trainer.beta == 0.0 and REFERENCE_ADAPTER not in trainer.model.peft_config
+
+
+# ---------------------------------------------------------------------- refused before any work
+@pytest.mark.parametrize(
+    ("trainer_class", "args", "message"),
+    [
+        (BituneGRPOTrainer, dict(config=GRPOConfig, use_vllm=True), r"`use_vllm=True` cannot be used.*vLLM"),
+        (BituneRLOOTrainer, dict(config=RLOOConfig, use_vllm=True), r"`use_vllm=True` cannot be used"),
+        (BituneGRPOTrainer, dict(config=GRPOConfig, use_transformers_continuous_batching=True),
+         r"`use_transformers_continuous_batching=True` cannot be used"),
+        (BituneDPOTrainer, dict(config=DPOConfig, padding_free=True), r"`padding_free=True` cannot be used"),
+        (BituneDPOTrainer, dict(config=DPOConfig, use_liger_kernel=True), r"`use_liger_kernel=True` cannot be"),
+        (BituneKTOTrainer, dict(config=KTOConfig, sync_ref_model=True), r"`sync_ref_model=True` cannot be used"),
+    ],
+    ids=["grpo_vllm", "rloo_vllm", "grpo_continuous_batching", "dpo_padding_free", "dpo_liger", "kto_sync_ref_model"],
+)
+def test_refuses_options_bitune_cannot_run_before_loading(tmp_path, trainer_class, args, message):
+    config_class = args.pop("config")
+    extra = {}
+    if trainer_class in (BituneGRPOTrainer, BituneRLOOTrainer):
+        args["num_generations"], extra["reward_funcs"] = 2, completion_length_reward
+    config = config_class(output_dir=str(tmp_path), **{**COMMON, **args})
+    with pytest.raises(ValueError, match=message):
+        trainer_class(model=helpers.never_loaded(tmp_path), args=config, train_dataset=preference_rows(), **extra)
+
+
+def test_refuses_tools_before_loading(tmp_path):
+    with pytest.raises(ValueError, match=r"`tools` cannot be used with a Bitune adapter"):
+        BituneGRPOTrainer(model=helpers.never_loaded(tmp_path), reward_funcs=completion_length_reward,
+                          args=GRPOConfig(output_dir=str(tmp_path), num_generations=2, **COMMON), tools=[len])
+
+
+def test_refuses_other_peft_methods_before_loading(tmp_path):
+    with pytest.raises(ValueError, match=r"`peft_config` must be a `BituneConfig`.*use `trl\.DPOTrainer`"):
+        BituneDPOTrainer(model=helpers.never_loaded(tmp_path), args=dpo_args(tmp_path),
+                         train_dataset=preference_rows(), peft_config=LoraConfig(r=4))
+
+
+def test_refuses_an_empty_prompt_naming_the_row(tmp_path, trl_model_dir):
+    """The tests' tokenizer adds a BOS token to every text; without one, an empty prompt is no instruction."""
+    tokenizer = helpers.build_tokenizer()
+    tokenizer._tokenizer.post_processor = None  # no BOS token
+    rows = preference_rows(6).to_list()
+    rows[4]["prompt"] = ""
+    with pytest.raises(ValueError, match=r"Rows \[4\] of train_dataset have an empty prompt once tokenised"):
+        BituneDPOTrainer(model=trl_model_dir, args=dpo_args(tmp_path), train_dataset=Dataset.from_list(rows),
+                         processing_class=tokenizer, peft_config=random_bitune_config())
