@@ -126,6 +126,42 @@ def test_loss_and_metrics_match_the_reference_forward(random_adapter_trainer, lo
     assert logged["num_tokens"] >= int(batch["attention_mask"].sum())
 
 
+def test_compute_loss_func_gets_the_bitune_logits_through_trl(random_adapter_trainer):
+    """TRL hands `compute_loss_func` the model's logits from a forward without labels; the Bitune forward finds the
+    instruction from the `prompt_mask` the trainer adds, so the logits are those of the answer passes."""
+    trainer = random_adapter_trainer
+    batch = first_batch(trainer)
+    received = {}
+
+    def summed_nll(outputs, labels, num_items_in_batch=None):  # a user's own loss: summed, not averaged
+        received["labels"] = labels
+        logits, targets = outputs.logits[:, :-1], labels[:, 1:]
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+    trainer.compute_loss_func = summed_nll
+    try:
+        value, logged = loss_and_logged_metrics(trainer, batch)
+    finally:
+        trainer.compute_loss_func = None
+    expected = reference_statistics(trainer.model, batch)
+    count = int((batch["labels"] != IGNORE_INDEX).sum())
+    assert torch.equal(received["labels"], batch["labels"])
+    assert value.item() == pytest.approx(expected["loss"] * count, abs=1e-4)
+    assert logged["entropy"] == pytest.approx(expected["entropy"], abs=1e-5)  # TRL's metrics, from the fused call
+
+
+def test_the_nll_loss_builds_no_logits(random_adapter_trainer):
+    """TRL's own loss goes through the fused head: the LM head module never runs over (batch, length, vocabulary)."""
+    trainer = random_adapter_trainer
+    calls = []
+    hook = trainer.model.get_output_embeddings().register_forward_hook(lambda *args: calls.append(1))
+    try:
+        loss_and_logged_metrics(trainer, first_batch(trainer))
+    finally:
+        hook.remove()
+    assert calls == []
+
+
 def test_accuracy_metric_counts_correct_predictions(random_adapter_trainer):
     """Accuracy on random weights is near zero; make some predictions right to check the metric sees them."""
     trainer = random_adapter_trainer
