@@ -91,4 +91,3 @@ def fused_output(
     if isinstance(count, torch.Tensor):
         count = count.to(fields["log_probs"].device)
     return FusedCausalLMOutput(loss=-fields["log_probs"].sum() / count, **fields)
-

@@ -27,6 +27,7 @@ roundings away (coefficients 10% off, swapped between keys and values, or shifte
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import datasets
@@ -410,3 +411,32 @@ def test_the_refusal_still_has_a_reason_plain_peft_loha_fails_over_a_4bit_layer(
                            LoHaConfig(target_modules=["q_proj", "v_proj"], init_weights=False))
     with pytest.raises(RuntimeError):
         model(input_ids=torch.randint(3, VOCAB, (1, 5)))
+
+
+def test_dpo_on_a_4bit_base_starts_at_ln2_with_float32_mixing_scalars(tmp_path, trl_model_dir):
+    """TRL casts a quantized model's trainable weights to bf16: the reference copy keeps their dtype (so it computes
+    what the policy computes), and the mixing scalars stay float32."""
+    from datasets import Dataset
+    from trl import DPOConfig
+
+    import trl_helpers as helpers
+    from trl_integration import BituneDPOTrainer
+    from trl_integration.policy_trainers import REFERENCE_ADAPTER
+
+    rows = Dataset.from_list([{"prompt": f"{q} answer :", "chosen": f" {a}", "rejected": " 0"}
+                              for q, a in helpers.arithmetic_rows(8)])
+    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, learning_rate=1e-3,
+                     report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, logging_steps=1)
+    trainer = BituneDPOTrainer(
+        model=load_quantized(trl_model_dir, "nf4"), args=args, train_dataset=rows,
+        processing_class=helpers.build_tokenizer(),
+        peft_config=BituneConfig(adapter_config=LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)),
+    )
+    bitune = trainer.model.base_model
+    assert all(p.dtype == torch.float32 for p in bitune.bitune_mixers.parameters())
+    lora_dtypes = {p.dtype for n, p in trainer.model.named_parameters() if "lora_" in n}
+    assert lora_dtypes == {torch.bfloat16}  # policy and reference alike
+    trainer.train()
+    first = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert REFERENCE_ADAPTER in trainer.model.peft_config

@@ -11,14 +11,17 @@ import datasets
 import pytest
 import torch
 from datasets import Dataset
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft import IA3Config, LoraConfig, get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 from trl import DPOConfig, DPOTrainer, GRPOConfig, KTOConfig, RLOOConfig
+from trl.trainer.utils import use_adapter
 
 import trl_helpers as helpers
 from peft_bitune import BituneConfig
+from reference import make_bitune, padded_batch
+from tiny_models import VOCAB
 from trl_integration import BituneDPOTrainer, BituneGRPOTrainer, BituneKTOTrainer, BituneRLOOTrainer
-from trl_integration.policy_trainers import REFERENCE_ADAPTER
+from trl_integration.policy_trainers import REFERENCE_ADAPTER, copy_policy_to_reference
 
 datasets.disable_progress_bars()
 
@@ -118,6 +121,26 @@ def test_dpo_precomputed_reference_starts_at_ln2(tmp_path, trl_model_dir):
                                train_dataset=preference_rows(), processing_class=helpers.build_tokenizer())
     trainer.train()
     assert logged(trainer, "loss")[0] == pytest.approx(math.log(2), abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "adapter_config",
+    [
+        LoraConfig(r=4, target_modules="all-linear", use_dora=True, init_lora_weights=False),
+        IA3Config(target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
+                  init_ia3_weights=False),
+    ],
+    ids=["dora", "ia3"],
+)
+def test_the_reference_copy_is_exact_for_every_inner_method(load_base, adapter_config):
+    model = make_bitune(load_base("llama"), adapter_config=adapter_config).eval()
+    _, batch, _ = padded_batch("left", VOCAB)
+    copy_policy_to_reference(model)
+    policy = model(**batch, fused_lm_head=True).log_probs
+    with use_adapter(model, REFERENCE_ADAPTER):
+        reference = model(**batch, fused_lm_head=True).log_probs
+    assert torch.equal(policy, reference)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if f"{REFERENCE_ADAPTER}__" in n)
 
 
 # ---------------------------------------------------------------------- KTO, GRPO, RLOO run and keep the reference

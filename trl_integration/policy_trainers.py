@@ -10,27 +10,32 @@ adapter. They would train it against the wrong reference, without a word:
 - given a fresh adapter (`peft_config`), the reference is the model with its adapters disabled: for LoRA that is the
   starting policy (B = 0), for Bitune it is not (the bidirectional read of the base weights is mixed in at alpha_0).
 
-Each subclass therefore makes the "ref" adapter an exact copy of the policy's adapter, through PEFT's state-dict
-functions, before the first reference log-probability is computed; TRL's own code then uses it for every reference
-forward (`trl.trainer.utils.use_adapter`), frozen. Everything else is TRL's. Subclasses rather than TRL's classes
-unchanged, because nothing else can act between TRL making the adapter and TRL using the reference. They also refuse,
-before any work, the options a Bitune adapter cannot run, naming the option and why.
+Each subclass therefore makes the "ref" adapter an exact copy of the policy's adapter (every tensor, with its dtype;
+checked against the adapters' state dicts) before the first reference log-probability is computed; TRL's own code
+then uses it for every reference forward (`trl.trainer.utils.use_adapter`), frozen. Everything else is TRL's.
+Subclasses rather than TRL's classes unchanged, because nothing else can act between TRL making the adapter and TRL
+using the reference. They also refuse, before any work, the options a Bitune adapter cannot run, naming the option and
+why.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 from datasets import Dataset
-from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import PeftModel, get_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
 from trl import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer
 
-from peft_bitune.common import format_rows
+from peft_bitune.common import WEIGHT_SETS, format_rows, inner_adapter_name
 from peft_bitune.lookup import find_bitune_tuner
 
 from .checks import bitune_peft_config, named_eval_datasets
+from .trainer import keep_mixing_scalars_in_float32
 
 # The adapter name TRL's trainers look for when they compute reference log-probabilities.
 REFERENCE_ADAPTER = "ref"
@@ -83,6 +88,7 @@ class BituneReferenceMixin:
         datasets = {"train_dataset": self.train_dataset, **named_eval_datasets(self.eval_dataset)}
         for name, dataset in datasets.items():
             _check_no_empty_segments(dataset, name)
+        keep_mixing_scalars_in_float32(self.model)  # TRL casts a quantized model's trainable parameters to bf16
         self._prepare_reference()
 
     def _uses_reference(self) -> bool:
@@ -102,17 +108,53 @@ class BituneReferenceMixin:
 def copy_policy_to_reference(model: PeftModel) -> None:
     """
     Add (or overwrite) the "ref" adapter of a Bitune `PeftModel` as an exact copy of its active adapter: the same
-    config, every weight of both weight sets and the mixing scalars, copied through PEFT's state-dict functions (a
-    Bitune load checks that every weight arrives). Frozen: it is never the active adapter while training.
+    config, and every tensor of both weight sets and the mixing scalars with its values and its dtype (TRL casts a
+    quantized model's trainable weights to bf16; a float32 copy would compute other log-probabilities). Checked
+    against the adapters' state dicts. Frozen: it never trains, even while TRL makes it the active adapter.
     """
+    bitune = find_bitune_tuner(model)
     policy = model.active_adapter
     if REFERENCE_ADAPTER not in model.peft_config:
         config = copy.deepcopy(model.peft_config[policy])
-        config.inference_mode = True  # never trains, even while TRL makes it the active adapter
+        config.inference_mode = True
         model.add_adapter(REFERENCE_ADAPTER, config)
-    state = get_peft_model_state_dict(model, adapter_name=policy)
-    set_peft_model_state_dict(model, state, adapter_name=REFERENCE_ADAPTER)
-    find_bitune_tuner(model).set_requires_grad(REFERENCE_ADAPTER, requires_grad=False)
+    with torch.no_grad():
+        for source, target in _adapter_tensor_pairs(bitune, policy, REFERENCE_ADAPTER):
+            target.data = source.detach().clone()
+    bitune.set_requires_grad(REFERENCE_ADAPTER, requires_grad=False)
+    policy_state = get_peft_model_state_dict(model, adapter_name=policy)
+    reference_state = get_peft_model_state_dict(model, adapter_name=REFERENCE_ADAPTER)
+    differing = sorted(key for key in policy_state if not _identical(policy_state[key], reference_state.get(key)))
+    if differing or policy_state.keys() != reference_state.keys():
+        raise RuntimeError(
+            f"The reference adapter is not an exact copy of `{policy}` (first differing weights: {differing[:3]}); "
+            "please report this with the PEFT method of the adapter."
+        )
+
+
+def _adapter_tensor_pairs(bitune: Any, source: str, target: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each tensor of adapter `source` with its counterpart in adapter `target`: on every tuner layer, under every
+    adapter attribute of the inner method (LoRA's A, B and DoRA magnitudes, IA3's vectors), for both weight sets;
+    then the mixing scalars."""
+    inner_names = [(inner_adapter_name(source, weight_set), inner_adapter_name(target, weight_set))
+                   for weight_set in WEIGHT_SETS]
+    for layer in bitune.model.modules():
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        for attribute in layer.adapter_layer_names:
+            entries = getattr(layer, attribute)
+            for source_name, target_name in inner_names:
+                if source_name in entries:
+                    source_entry, target_entry = entries[source_name], entries[target_name]
+                    if isinstance(source_entry, torch.Tensor):
+                        yield source_entry, target_entry
+                    else:
+                        yield from zip(source_entry.parameters(), target_entry.parameters(), strict=True)
+    yield from zip(bitune.bitune_mixers[source].parameters(), bitune.bitune_mixers[target].parameters(), strict=True)
+
+
+def _identical(first: torch.Tensor, second: torch.Tensor | None) -> bool:
+    return second is not None and first.dtype == second.dtype and torch.equal(first, second)
 
 
 # The token columns of TRL's prepared preference rows (DPO: prompt, chosen, rejected; KTO: prompt, completion).
