@@ -2,7 +2,8 @@
 
 - Reading refuses fields this version does not know. PEFT's own configs drop them with a warning (for forward
   compatibility), but a Bitune field changes how the adapter runs, so dropping one would silently run it differently.
-- Reading refuses an adapter whose weights exist only as `adapter_model.bin`: PEFT would unpickle it (see
+- Reading names the file when it is not a JSON object, and refuses an adapter whose weights PEFT would then fail to
+  read, or must not read (only `adapter_model.bin`, a pickle), before PEFT adds the adapter to a model (see
   `safetensors_only.py`).
 - Writing refuses to finish next to an `adapter_model.bin` (`save_pretrained(safe_serialization=False)`), and writes
   the model card (see `model_card.py`), since PEFT writes the config of every adapter it saves, each in its own folder.
@@ -11,6 +12,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
@@ -18,7 +21,7 @@ from peft.utils import CONFIG_NAME
 
 from . import compat
 from .model_card import write_model_card
-from .safetensors_only import refuse_pickle_only_adapter, refuse_pickled_weights_in
+from .safetensors_only import check_adapter_weights, refuse_pickled_weights_in
 
 _UPGRADE = "It was probably written by a newer version; upgrade with `pip install -U {package}`."
 
@@ -38,15 +41,39 @@ class BituneConfigFileMixin:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs: Any) -> Any:
+        """The config, read after checking that adapter_config.json is a JSON object and that the weights next to it
+        can be read (see `check_adapter_weights`)."""
         config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
-        refuse_pickle_only_adapter(str(pretrained_model_name_or_path), subfolder, **compat.hub_kwargs(cls, kwargs))
+        check_adapter_weights(str(pretrained_model_name_or_path), subfolder, **compat.hub_kwargs(cls, kwargs))
         return config
+
+    @classmethod
+    def from_json_file(cls, path_json_file: str, **kwargs: Any) -> dict[str, Any]:
+        """The fields in `path_json_file`; a file that is not a JSON object is refused with its path (PEFT's reading
+        would fail with a bare `JSONDecodeError` or `TypeError`)."""
+        _check_json_object(path_json_file)
+        return super().from_json_file(path_json_file, **kwargs)
 
     def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
         """Write `adapter_config.json` and the model card, in a folder that holds no pickled weights."""
         refuse_pickled_weights_in(save_directory, f"{CONFIG_NAME} was not written.")
         super().save_pretrained(save_directory, **kwargs)
         write_model_card(save_directory, self, location=str(save_directory))
+
+
+def _check_json_object(path: str) -> None:
+    again = "Save (or download) the adapter again, or restore the file."
+    try:
+        with open(path, encoding="utf-8") as file:
+            data = json.load(file)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        what = "is empty" if os.path.getsize(path) == 0 else f"is not valid JSON ({error})"
+        raise ValueError(f"Cannot read the Bitune adapter config '{path}': the file {what}. {again}") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"Cannot read the Bitune adapter config '{path}': it must hold a JSON object of config fields "
+            f"({{\"peft_type\": \"BITUNE\", ...}}), but holds `{json.dumps(data)[:40]}`. {again}"
+        )
 
 
 def _refuse_unknown_fields(config_cls: type, data: dict[str, Any], package: str, what: str = "") -> None:

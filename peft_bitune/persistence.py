@@ -125,7 +125,7 @@ class BituneCheckpointMixin:
             _check_no_strangers(config, remapped, model_state)
             _check_shapes(config, remapped, model_state)
             _check_finite(state_dict, adapter_name)
-        except ValueError:
+        except Exception:
             _forget_refused_adapter(model, adapter_name)
             raise
         return remapped
@@ -151,7 +151,9 @@ def saved_mixing_scalars(weights_path: str) -> dict[str, torch.Tensor]:
 
 def _forget_refused_adapter(model: nn.Module, adapter_name: str) -> None:
     """PEFT adds an adapter before it reads its file: a refused `load_adapter` must not leave it behind, randomly
-    initialised. (A refused first adapter fails `from_pretrained` as a whole, so there is nothing to clean up.)"""
+    initialised. This covers the refusals of the weights read; a file PEFT cannot read at all is refused before PEFT
+    adds the adapter (`BituneConfig.from_pretrained`, see `safetensors_only.check_adapter_weights`). (A refused first
+    adapter fails `from_pretrained` as a whole, and no `PeftModel` is returned.)"""
     peft_config = getattr(model, "peft_config", {})
     if adapter_name in peft_config and len(peft_config) > 1 and adapter_name != getattr(model, "active_adapter", None):
         model.delete_adapter(adapter_name)

@@ -1,9 +1,12 @@
 """
 Bitune adapters are safetensors only: a pickle (`adapter_model.bin`) is never written and never read. Every refusal
-of one is here.
+of one is here, and every refusal of a weights file PEFT could not read.
 
-- Reading: `BituneConfig.from_pretrained`, which PEFT calls before it reads any weights, refuses an adapter whose
-  weights exist only as a pickle (`refuse_pickle_only_adapter`), in a folder or in a Hub repo.
+- Reading: `BituneConfig.from_pretrained`, which PEFT calls before it adds the adapter to the model and reads any
+  weights, refuses an adapter whose weights exist only as a pickle, in a folder or in a Hub repo, an adapter without
+  weights, and, in a folder, a weights file that is a dangling link, a folder, or not a complete safetensors file
+  (`check_adapter_weights`). Refused there, the adapter is never added: PEFT adds it before it reads the weights, and
+  a read that fails leaves it behind.
 - Writing: a Bitune `PeftModel`'s `save_pretrained` refuses `safe_serialization=False` and a target folder that holds
   a pickle, before anything is written (`save_pretrained_safetensors_only`); `BituneConfig.save_pretrained` refuses to
   finish next to a pickle, as a second line (`refuse_pickled_weights_in`).
@@ -32,13 +35,14 @@ import functools
 import inspect
 import os
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 
 import huggingface_hub
 import torch
 from huggingface_hub import file_exists, try_to_load_from_cache
 from peft import PeftModel
 from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -106,16 +110,33 @@ def refuse_pickled_weights_in(folder: str, not_done: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------ reading
-def refuse_pickle_only_adapter(model_id: str, subfolder: str | None = None, **hub_kwargs: Any) -> None:
-    """Refuse an adapter whose weights PEFT would read from `adapter_model.bin` (a pickle): see
-    `has_only_pickled_weights`."""
-    if has_only_pickled_weights(model_id, subfolder, **hub_kwargs):
-        raise ValueError(
-            f"The Bitune adapter at '{model_id}' has its weights only as {WEIGHTS_NAME}, a pickle, which peft-bitune "
-            f"never reads. Convert it to {SAFETENSORS_WEIGHTS_NAME} where you trust the file "
-            "(`safetensors.torch.save_file(torch.load(path, weights_only=True), new_path)`), or save the adapter "
-            "again with `save_pretrained` (safetensors by default)."
-        )
+def check_adapter_weights(model_id: str, subfolder: str | None = None, **hub_kwargs: Any) -> None:
+    """
+    Refuse, naming the file and what is wrong with it, adapter weights that PEFT must not read (a pickle) or cannot
+    read: no weights file; in a local folder also a weights path that is a dangling link or a folder, or a file that is
+    not a complete safetensors file (truncated, empty or damaged by an interrupted save, copy or download).
+
+    Called by `BituneConfig.from_pretrained`, which both of PEFT's loaders (`PeftModel.from_pretrained`,
+    `load_adapter`) call before they add the adapter to the model: PEFT adds it, then reads the weights, and a failed
+    read leaves it behind, randomly initialised, with a message that names no file. A Hub repo is checked for the
+    presence of the file only (its content is read when PEFT downloads it).
+    """
+    folder = os.path.join(model_id, subfolder) if subfolder else model_id
+    if os.path.isdir(folder):
+        _check_local_weights(folder)
+        return
+    if _in_repo(model_id, subfolder, SAFETENSORS_WEIGHTS_NAME, hub_kwargs):
+        return
+    if _in_repo(model_id, subfolder, WEIGHTS_NAME, hub_kwargs):
+        _refuse_pickle_only(model_id)
+    offline = huggingface_hub.constants.HF_HUB_OFFLINE or hub_kwargs.get("local_files_only")
+    where = "the local Hugging Face cache (offline) holds" if offline else "the Hub repo holds"
+    revision = f" at revision `{hub_kwargs['revision']}`" if hub_kwargs.get("revision") else ""
+    raise ValueError(
+        f"Cannot load the Bitune adapter '{model_id}': {where} its config but no "
+        f"{_named(subfolder, SAFETENSORS_WEIGHTS_NAME)}{revision}. Nothing was loaded. Check the repo id, revision "
+        "and subfolder" + (", or download the adapter while online." if offline else ".")
+    )
 
 
 def has_only_pickled_weights(model_id: str, subfolder: str | None = None, **hub_kwargs: Any) -> bool:
@@ -125,18 +146,70 @@ def has_only_pickled_weights(model_id: str, subfolder: str | None = None, **hub_
     """
     folder = os.path.join(model_id, subfolder) if subfolder else model_id
     if os.path.isdir(folder):
-        return not os.path.isfile(os.path.join(folder, SAFETENSORS_WEIGHTS_NAME)) and os.path.isfile(
+        return not os.path.exists(os.path.join(folder, SAFETENSORS_WEIGHTS_NAME)) and os.path.isfile(
             os.path.join(folder, WEIGHTS_NAME)
         )
-    revision, repo_type = hub_kwargs.get("revision"), hub_kwargs.get("repo_type")
-
-    def in_repo(name: str) -> bool:
-        filename = f"{subfolder}/{name}" if subfolder else name
-        if huggingface_hub.constants.HF_HUB_OFFLINE or hub_kwargs.get("local_files_only"):
-            cached = try_to_load_from_cache(
-                model_id, filename, cache_dir=hub_kwargs.get("cache_dir"), revision=revision, repo_type=repo_type
-            )
-            return isinstance(cached, str)
-        return file_exists(model_id, filename, revision=revision, repo_type=repo_type, token=hub_kwargs.get("token"))
-
+    in_repo = functools.partial(_in_repo, model_id, subfolder, hub_kwargs=hub_kwargs)
     return not in_repo(SAFETENSORS_WEIGHTS_NAME) and in_repo(WEIGHTS_NAME)
+
+
+def safetensors_problem(path: str) -> str | None:
+    """Why `path` is not a complete safetensors file (safetensors' own words), or `None` if it is one. Reads the header
+    only: safetensors checks that the header is valid JSON and that its tensors cover the file exactly."""
+    try:
+        with safe_open(path, framework="pt"):
+            return None
+    except (SafetensorError, OSError) as error:
+        return str(error)
+
+
+def _check_local_weights(folder: str) -> None:
+    path = os.path.join(folder, SAFETENSORS_WEIGHTS_NAME)
+    cannot = f"Cannot load the Bitune adapter at '{folder}'"
+    again = "Save (or download) the adapter again, or copy the whole folder again. Nothing was loaded."
+    if not os.path.lexists(path):
+        if os.path.isfile(os.path.join(folder, WEIGHTS_NAME)):
+            _refuse_pickle_only(folder)
+        raise ValueError(
+            f"{cannot}: it has no {SAFETENSORS_WEIGHTS_NAME}, only its config (a save, copy or download that stopped "
+            f"early, or only the config was copied). {again}"
+        )
+    if not os.path.exists(path):
+        raise ValueError(
+            f"{cannot}: '{path}' is a symbolic link to '{os.readlink(path)}', which does not exist (a moved or "
+            f"deleted file, or a Hugging Face cache whose files were removed). {again}"
+        )
+    if not os.path.isfile(path):
+        kind = "a folder" if os.path.isdir(path) else "not a regular file"
+        raise ValueError(f"{cannot}: '{path}' is {kind}; it must be the adapter's weights file. {again}")
+    problem = safetensors_problem(path)
+    if problem is not None:
+        raise ValueError(
+            f"{cannot}: '{path}' is not a complete safetensors file ({problem}); it is truncated, empty or damaged, "
+            f"e.g. by an interrupted save, copy or download. {again}"
+        )
+
+
+def _refuse_pickle_only(model_id: str) -> NoReturn:
+    raise ValueError(
+        f"The Bitune adapter at '{model_id}' has its weights only as {WEIGHTS_NAME}, a pickle, which peft-bitune "
+        f"never reads. Convert it to {SAFETENSORS_WEIGHTS_NAME} where you trust the file "
+        "(`safetensors.torch.save_file(torch.load(path, weights_only=True), new_path)`), or save the adapter "
+        "again with `save_pretrained` (safetensors by default)."
+    )
+
+
+def _named(subfolder: str | None, name: str) -> str:
+    return f"{subfolder}/{name}" if subfolder else name
+
+
+def _in_repo(model_id: str, subfolder: str | None, name: str, hub_kwargs: dict[str, Any]) -> bool:
+    """Whether the Hub repo holds `name` (in `subfolder`): asked of the Hub, or of its local cache when offline."""
+    filename = _named(subfolder, name)
+    revision, repo_type = hub_kwargs.get("revision"), hub_kwargs.get("repo_type")
+    if huggingface_hub.constants.HF_HUB_OFFLINE or hub_kwargs.get("local_files_only"):
+        cached = try_to_load_from_cache(
+            model_id, filename, cache_dir=hub_kwargs.get("cache_dir"), revision=revision, repo_type=repo_type
+        )
+        return isinstance(cached, str)
+    return file_exists(model_id, filename, revision=revision, repo_type=repo_type, token=hub_kwargs.get("token"))
