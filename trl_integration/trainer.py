@@ -15,8 +15,11 @@ to:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import textwrap
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +27,10 @@ import torch
 import transformers
 from datasets import Dataset, IterableDataset
 from peft import PeftConfig, PeftModel
+from peft.utils import SAFETENSORS_WEIGHTS_NAME
 from transformers import TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -33,6 +39,7 @@ from peft_bitune.callbacks import BituneMixingWarmupCallback, gathered_mixing_sc
 from peft_bitune.common import IGNORE_INDEX
 from peft_bitune.lookup import find_bitune_tuner
 from peft_bitune.optimizers import bitune_parameter_groups
+from peft_bitune.safetensors_only import safetensors_problem
 
 from .checks import (
     FORMATS_THAT_WORK,
@@ -270,6 +277,50 @@ class BituneSFTTrainer(SFTTrainer):
             return FullyShardedDataParallel.summon_full_params(self.model_wrapped, writeback=False)
         return gathered_mixing_scalars(bitune)
 
+    # ------------------------------------------------------------------ resuming
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """[`~transformers.Trainer.train`], resuming from the last *complete* checkpoint of `args.output_dir` when
+        `resume_from_checkpoint=True`, and refusing a named checkpoint that is incomplete (see
+        `_complete_checkpoint`)."""
+        return super().train(self._complete_checkpoint(resume_from_checkpoint), *args, **kwargs)
+
+    def _complete_checkpoint(self, resume_from_checkpoint: str | bool | None) -> str | bool | None:
+        """
+        The checkpoint to resume from. The Trainer writes a checkpoint file by file, `trainer_state.json` last, and
+        with `True` takes the highest `checkpoint-N` folder even when a crash stopped its writing, then fails on a raw
+        `SafetensorError` or a missing `trainer_state.json`. Here an incomplete checkpoint is skipped with a warning
+        that names it and the one used instead (the one before it is complete, and resuming from it repeats only the
+        steps since; the incomplete folder is left as it is and rewritten when training reaches its step again). A
+        checkpoint named by path is the user's choice: if incomplete, it is refused, naming what is wrong.
+        """
+        if resume_from_checkpoint is True and os.path.isdir(self.args.output_dir):
+            skipped = []
+            for checkpoint in _checkpoints_newest_first(self.args.output_dir):
+                problem = incomplete_checkpoint_problem(checkpoint)
+                if problem is None:
+                    if skipped and self.is_world_process_zero():
+                        warnings.warn(
+                            f"Resuming from '{checkpoint}', not from the later checkpoints {_skipped(skipped)}, whose "
+                            "writing was interrupted. The steps since are trained again.",
+                            stacklevel=3,
+                        )
+                    return checkpoint
+                skipped.append((checkpoint, problem))
+            if skipped:
+                raise ValueError(
+                    f"`resume_from_checkpoint=True` found no complete checkpoint in '{self.args.output_dir}': "
+                    f"{_skipped(skipped)}. Their writing was interrupted. Train from the start "
+                    "(`resume_from_checkpoint=None`), after removing them or with another `output_dir`."
+                )
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
+            problem = incomplete_checkpoint_problem(str(resume_from_checkpoint))
+            if problem is not None:
+                raise ValueError(
+                    f"Cannot resume from '{resume_from_checkpoint}': {problem}. Its writing was interrupted: resume "
+                    "from an earlier checkpoint, or pass `resume_from_checkpoint=True` to take the last complete one."
+                )
+        return resume_from_checkpoint
+
 
 # ---------------------------------------------------------------------- model helpers
 def keep_mixing_scalars_in_float32(model: torch.nn.Module) -> None:
@@ -281,3 +332,42 @@ def keep_mixing_scalars_in_float32(model: torch.nn.Module) -> None:
     for parameter in bitune.bitune_mixers.parameters() if bitune is not None else ():
         if parameter.dtype != torch.float32:
             parameter.data = parameter.data.float()
+
+
+# ---------------------------------------------------------------------- checkpoints
+_CHECKPOINT_FOLDER = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
+
+
+def _checkpoints_newest_first(output_dir: str) -> list[str]:
+    """The `checkpoint-N` folders of `output_dir`, highest step first (the ones the Trainer resumes from)."""
+    steps = {}
+    for name in os.listdir(output_dir):
+        match = _CHECKPOINT_FOLDER.match(name)
+        if match and os.path.isdir(os.path.join(output_dir, name)):
+            steps[os.path.join(output_dir, name)] = int(match.group(1))
+    return sorted(steps, key=steps.get, reverse=True)
+
+
+def incomplete_checkpoint_problem(checkpoint: str) -> str | None:
+    """What is missing or broken in a Trainer checkpoint folder, or `None` if it is complete: its
+    `trainer_state.json`, written last, must be a whole JSON object, and its adapter weights a whole safetensors
+    file."""
+    state = os.path.join(checkpoint, TRAINER_STATE_NAME)
+    if not os.path.isfile(state):
+        return f"it has no {TRAINER_STATE_NAME}, which the Trainer writes last"
+    try:
+        with open(state, encoding="utf-8") as file:
+            is_object = isinstance(json.load(file), dict)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        is_object = False
+    if not is_object:
+        return f"its {TRAINER_STATE_NAME} is not a complete JSON object"
+    weights = os.path.join(checkpoint, SAFETENSORS_WEIGHTS_NAME)
+    problem = safetensors_problem(weights) if os.path.lexists(weights) else None
+    if problem is not None:
+        return f"its {SAFETENSORS_WEIGHTS_NAME} is not a complete safetensors file ({problem})"
+    return None
+
+
+def _skipped(skipped: list[tuple[str, str]]) -> str:
+    return "; ".join(f"'{checkpoint}' ({problem})" for checkpoint, problem in skipped)
