@@ -143,6 +143,16 @@ def test_the_reference_copy_is_exact_for_every_inner_method(load_base, adapter_c
     assert not any(p.requires_grad for n, p in model.named_parameters() if f"{REFERENCE_ADAPTER}__" in n)
 
 
+def test_dpo_model_card_is_a_bitune_adapters(tmp_path, trl_model_dir):
+    trainer = BituneDPOTrainer(model=trained_adapter(trl_model_dir), args=dpo_args(tmp_path / "dpo-run"),
+                               train_dataset=preference_rows(), processing_class=helpers.build_tokenizer())
+    trainer.create_model_card()
+    card = (tmp_path / "dpo-run" / "README.md").read_text()
+    assert "# Model Card for dpo-run" in card and f"`{trl_model_dir}`" in card
+    assert "pipeline(" not in card and card.count("<!-- bitune:start -->") == 1
+    assert "- dpo" in card and "- bitune" in card
+
+
 # ---------------------------------------------------------------------- KTO, GRPO, RLOO run and keep the reference
 def test_kto_trains_against_the_starting_adapter(tmp_path, trl_model_dir):
     pairs = helpers.arithmetic_rows(16)

@@ -35,6 +35,7 @@ from peft_bitune.common import WEIGHT_SETS, format_rows, inner_adapter_name
 from peft_bitune.lookup import find_bitune_tuner
 
 from .checks import bitune_peft_config, named_eval_datasets
+from .model_cards import BituneModelCardMixin
 from .trainer import keep_mixing_scalars_in_float32
 
 # The adapter name TRL's trainers look for when they compute reference log-probabilities.
@@ -67,10 +68,11 @@ _ARGUMENTS_BITUNE_CANNOT_RUN = {
 }
 
 
-class BituneReferenceMixin:
+class BituneReferenceMixin(BituneModelCardMixin):
     """
     Train a Bitune adapter with a TRL trainer whose reference is the policy as training starts: the "ref" adapter,
-    an exact, frozen copy of the policy's adapter (see the module's docstring). Mixed in before the TRL trainer class.
+    an exact, frozen copy of the policy's adapter (see the module's docstring). Mixed in before the TRL trainer class;
+    the model card is a Bitune adapter's (`BituneModelCardMixin`).
 
     Every argument means what it means for the TRL trainer, with these differences: `peft_config` defaults to
     `BituneConfig()` and must be a `BituneConfig`; `model` may be a `PeftModel` only with a Bitune adapter; options

@@ -53,12 +53,13 @@ from .checks import (
     named_eval_datasets,
 )
 from .config import BituneSFTConfig
+from .model_cards import BituneModelCardMixin
 
 # The training options beyond the paper, at their defaults (the paper's recipe); the card names those that differ.
 RECIPE_DEFAULTS = {"bidirectional_lr_ratio": 1.0, "mixing_lr_ratio": 1.0, "mixing_warmup_steps": 0}
 
 
-class BituneSFTTrainer(SFTTrainer):
+class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
     """
     Supervised fine-tuning of a Bitune adapter with TRL: an [`~trl.SFTTrainer`] whose model reads every instruction
     twice (causal and bidirectional weights), mixes the two key/value caches, and learns the answer.
@@ -244,25 +245,10 @@ class BituneSFTTrainer(SFTTrainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     # ------------------------------------------------------------------ model card
-    def create_model_card(
-        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
-    ) -> None:
-        """
-        TRL's model card, made right for a Bitune adapter: it is named after the output (the Hub repo or the output
-        folder) when `model_name` is not given, names the base model also when that is a local folder, and replaces
-        TRL's `pipeline(...)` quick start (which cannot load a Bitune adapter) with the lines that do.
-        """
-        location = getattr(self, "hub_model_id", None) or self.args.hub_model_id or self.args.output_dir
-        if model_name is None:
-            model_name = os.path.basename(str(location).rstrip("/"))
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        if self.is_world_process_zero():
-            from peft_bitune.model_card import write_trl_model_card
-
-            bitune = find_bitune_tuner(self.accelerator.unwrap_model(self.model))
-            recipe = {name: getattr(self.args, name) for name, default in RECIPE_DEFAULTS.items()
-                      if getattr(self.args, name) != default}
-            write_trl_model_card(self.args.output_dir, bitune.peft_config[bitune.active_adapter], location, recipe)
+    def _bitune_recipe(self) -> dict[str, Any]:
+        """The training options beyond the paper that differ from their defaults, for the model card."""
+        return {name: getattr(self.args, name) for name, default in RECIPE_DEFAULTS.items()
+                if getattr(self.args, name) != default}
 
     def _whole_mixing_scalars(self, bitune: BituneModel) -> contextlib.AbstractContextManager:
         """
