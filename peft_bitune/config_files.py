@@ -21,6 +21,7 @@ from peft.utils import CONFIG_NAME
 
 from . import compat
 from .model_card import write_model_card
+from .persistence import mark_added_to_load
 from .safetensors_only import check_adapter_weights, refuse_pickled_weights_in
 
 _UPGRADE = "It was probably written by a newer version; upgrade with `pip install -U {package}`."
@@ -42,9 +43,11 @@ class BituneConfigFileMixin:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs: Any) -> Any:
         """The config, read after checking that adapter_config.json is a JSON object and that the weights next to it
-        can be read (see `check_adapter_weights`)."""
+        can be read (see `check_adapter_weights`), and marked so that an adapter PEFT adds for it is removed again if
+        its weights are refused (see `persistence.mark_added_to_load`)."""
         config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
         check_adapter_weights(str(pretrained_model_name_or_path), subfolder, **compat.hub_kwargs(cls, kwargs))
+        mark_added_to_load(config)
         return config
 
     @classmethod

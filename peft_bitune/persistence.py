@@ -36,6 +36,8 @@ from .common import INNER_SEPARATOR, MIXERS_ATTRIBUTE, WEIGHT_SETS, inner_adapte
 # Checkpoint keys of the mixing scalars (adapter name removed; the "base_model." prefix may be absent).
 MIXER_CHECKPOINT_KEYS = {"keys": f"{MIXERS_ATTRIBUTE}.key_weights", "values": f"{MIXERS_ATTRIBUTE}.value_weights"}
 _PEFT_PREFIX = "base_model.model."
+# The instance attribute of a config whose adapter PEFT is adding to load its weights (see `mark_added_to_load`).
+_ADDED_TO_LOAD = "_bitune_added_to_load"
 # How many offending keys an error message lists before it says "and N more".
 _SHOWN_KEYS = 5
 
@@ -126,8 +128,9 @@ class BituneCheckpointMixin:
             _check_shapes(config, remapped, model_state)
             _check_finite(state_dict, adapter_name)
         except Exception:
-            _forget_refused_adapter(model, adapter_name)
+            _forget_refused_adapter(model, adapter_name, config)
             raise
+        vars(config).pop(_ADDED_TO_LOAD, None)
         return remapped
 
 
@@ -149,14 +152,28 @@ def saved_mixing_scalars(weights_path: str) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _forget_refused_adapter(model: nn.Module, adapter_name: str) -> None:
-    """PEFT adds an adapter before it reads its file: a refused `load_adapter` must not leave it behind, randomly
-    initialised. This covers the refusals of the weights read; a file PEFT cannot read at all is refused before PEFT
-    adds the adapter (`BituneConfig.from_pretrained`, see `safetensors_only.check_adapter_weights`). (A refused first
-    adapter fails `from_pretrained` as a whole, and no `PeftModel` is returned.)"""
-    peft_config = getattr(model, "peft_config", {})
-    if adapter_name in peft_config and len(peft_config) > 1 and adapter_name != getattr(model, "active_adapter", None):
+def mark_added_to_load(config: Any) -> None:
+    """Mark a config read from an adapter's files (`BituneConfig.from_pretrained`): PEFT adds the adapter, then loads
+    its weights, and if the weights are refused, the adapter was added for nothing and is removed again. Not a
+    dataclass field, so never saved; removed once the weights are loaded."""
+    vars(config)[_ADDED_TO_LOAD] = True
+
+
+def _forget_refused_adapter(model: nn.Module, adapter_name: str, config: Any) -> None:
+    """
+    PEFT adds an adapter before it reads its weights: a refusal of them must not leave it behind, randomly
+    initialised. `load_adapter` under a new name added it: it is deleted. `PeftModel.from_pretrained` added it as the
+    first adapter, into the caller's base model: its layers are taken out again (`unload`), so that the base model can
+    be used again as it was. An adapter that existed before the load (the Trainer's resuming loads into the adapter it
+    trains) keeps the weights it had. A file PEFT cannot read at all is refused before PEFT adds the adapter
+    (`BituneConfig.from_pretrained`, see `safetensors_only.check_adapter_weights`).
+    """
+    if not vars(config).pop(_ADDED_TO_LOAD, False) or adapter_name not in getattr(model, "peft_config", {}):
+        return
+    if len(model.peft_config) > 1:
         model.delete_adapter(adapter_name)
+    else:
+        model.base_model.unload()
 
 
 # ---------------------------------------------------------------------------------------------------------- selection

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, PeftModel
+from safetensors.torch import load_file, save_file
 
 from peft_bitune import BituneConfig
 from reference import make_bitune
@@ -158,6 +159,50 @@ def test_a_broken_config_file_read_as_a_bitune_config_is_named(good_adapter, tmp
     path = re.escape(str(tmp_path / "adapter" / CONFIG))
     with pytest.raises(ValueError, match=rf"Cannot read the Bitune adapter config '{path}': .*{reason}"):
         BituneConfig.from_pretrained(str(tmp_path / "adapter"))
+
+
+def without_mixing_scalars(good: Path, tmp_path: Path) -> Path:
+    """A whole safetensors file that lacks the mixing scalars: refused by the checks of the weights, which run after
+    PEFT has added the adapter."""
+    folder = tmp_path / "incomplete"
+    shutil.copytree(good, folder)
+    weights = load_file(folder / WEIGHTS)
+    save_file({key: value for key, value in weights.items() if "bitune_mixers" not in key}, folder / WEIGHTS)
+    return folder
+
+
+def test_a_refused_first_adapter_gives_the_base_model_back_unchanged(load_base, good_adapter, tmp_path):
+    base = load_base("llama")
+    names, state = [name for name, _ in base.named_modules()], model_state(base)
+    with pytest.raises(ValueError, match="is incomplete: it lacks the mixing scalars"):
+        PeftModel.from_pretrained(base, without_mixing_scalars(good_adapter, tmp_path))
+    assert [name for name, _ in base.named_modules()] == names
+    assert all(torch.equal(value, state[name]) for name, value in model_state(base).items())
+    # The same base model can be used again (before: AttributeError from the inner LoRA config left on it).
+    inputs = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "prompt_mask": torch.tensor([[1, 1, 0, 0]])}
+    with torch.no_grad():
+        again = PeftModel.from_pretrained(base, good_adapter)(**inputs).logits
+        fresh = PeftModel.from_pretrained(load_base("llama"), good_adapter)(**inputs).logits
+    assert torch.equal(again, fresh)
+
+
+def test_refused_weights_for_an_adapter_the_model_already_has_leave_it_as_it_was(load_base, good_adapter, tmp_path):
+    """`load_adapter` into an existing name (what the Trainer's resuming does) adds nothing: a refusal keeps the
+    adapter and its weights (before, the refusal deleted it)."""
+    model = PeftModel.from_pretrained(load_base("llama"), good_adapter)
+    model.load_adapter(str(good_adapter), adapter_name="second")
+    before = model_state(model)
+    with pytest.raises(ValueError, match="is incomplete"):
+        model.load_adapter(str(without_mixing_scalars(good_adapter, tmp_path)), adapter_name="second")
+    assert list(model.peft_config) == ["default", "second"]
+    after = model_state(model)
+    assert after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)
+
+
+def test_the_loading_mark_is_never_saved(load_base, good_adapter, tmp_path):
+    config = BituneConfig.from_pretrained(str(good_adapter))
+    config.save_pretrained(str(tmp_path))
+    assert json.loads((tmp_path / CONFIG).read_text()) == json.loads((good_adapter / CONFIG).read_text())
 
 
 # ------------------------------------------------------------------------------------------------------------ item 8
