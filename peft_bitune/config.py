@@ -137,12 +137,21 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
 
     def __post_init__(self) -> None:
         # Before anything reads a value: e.g. `train_mixing="no"` would be truthy.
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "adapter_config"}
-        check_field_types(type(self), values)
+        self._check_field_types()
         super().__post_init__()
         self.peft_type = PeftType[BITUNE_TYPE_NAME]
         if self.task_type is None:
             self.task_type = TaskType.CAUSAL_LM
+        self.check()
+
+    def check(self) -> None:
+        """
+        Check every setting, and normalise those that have a normal form (`adapter_config` as a PEFT config,
+        `mixed_layers` sorted). Run when the config is made (also from `adapter_config.json`) and again when an adapter
+        is built from it (`check_depth`): a field can be assigned, or a list edited in place, after the config is
+        made, and `config.mixed_layers = [-1]` must not reach the tuner unchecked.
+        """
+        self._check_field_types()
         if self.task_type != TaskType.CAUSAL_LM:
             raise ValueError(
                 f"Bitune tunes decoder-only language models: `task_type` must be 'CAUSAL_LM', got '{self.task_type}'."
@@ -155,6 +164,10 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
             raise ValueError(f"`mix_init` must be non-negative (alpha uses |w|), got {self.mix_init}.")
         if self.mixed_layers is not None:
             self.mixed_layers = check_mixed_layers(self.mixed_layers)
+
+    def _check_field_types(self) -> None:
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "adapter_config"}
+        check_field_types(type(self), values)
 
     @staticmethod
     def _build_adapter_config(adapter_config: PeftConfig | dict | None) -> PeftConfig:
@@ -197,7 +210,9 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
         return adapter_config
 
     def check_depth(self, num_layers: int) -> None:
-        """Refuse `mixed_layers` that name a layer the model does not have (before any adapter layer is made)."""
+        """Refuse, before any adapter layer is made, a config that does not pass `check` (settings assigned after it
+        was made) or whose `mixed_layers` name a layer the model does not have."""
+        self.check()
         if self.mixed_layers is not None and max(self.mixed_layers) >= num_layers:
             outside = [layer for layer in self.mixed_layers if layer >= num_layers]
             raise ValueError(
