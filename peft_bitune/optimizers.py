@@ -17,13 +17,16 @@ from collections.abc import Collection
 from typing import Any
 
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from .common import BIDIRECTIONAL, INNER_SEPARATOR, MIXERS_ATTRIBUTE
+from .common import BIDIRECTIONAL, CAUSAL, inner_adapter_name
 from .lookup import find_bitune_tuner
+from .model import BituneModel
 
 # The parameter groups, by the part of the adapter they hold.
 CAUSAL_GROUP, BIDIRECTIONAL_GROUP, MIXING_GROUP = "causal", "bidirectional", "mixing"
+WEIGHT_SET_GROUPS = {CAUSAL: CAUSAL_GROUP, BIDIRECTIONAL: BIDIRECTIONAL_GROUP}
 
 
 def check_lr_ratio(name: str, ratio: Any) -> None:
@@ -35,14 +38,29 @@ def check_lr_ratio(name: str, ratio: Any) -> None:
         )
 
 
-def parameter_part(name: str) -> str:
-    """Which part of a Bitune adapter the parameter `name` belongs to: the mixing scalars, the bidirectional weight
-    set, or else the causal set (with anything else trainable)."""
-    if f"{MIXERS_ATTRIBUTE}." in name:
-        return MIXING_GROUP
-    if f"{INNER_SEPARATOR}{BIDIRECTIONAL}." in name:
-        return BIDIRECTIONAL_GROUP
-    return CAUSAL_GROUP
+def parameter_parts(bitune: BituneModel) -> dict[int, str]:
+    """
+    The part of the adapter each parameter of `bitune` belongs to, keyed by the parameter's `id`: the mixing scalars,
+    or the weight set of the inner adapter that holds it. Read from the inner method's layers, whose adapter weights
+    are held in dicts keyed by inner adapter name (`adapter_layer_names`): a name pattern would miss a weight stored
+    bare, like an IA3 vector (`...ia3_l.default__bidirectional`, with no trailing segment).
+    """
+    weight_set_of = {
+        inner_adapter_name(adapter_name, weight_set): weight_set
+        for adapter_name, config in bitune.peft_config.items()
+        for weight_set in config.weight_sets
+    }
+    parts = {id(parameter): MIXING_GROUP for parameter in bitune.bitune_mixers.parameters()}
+    for layer in bitune.model.modules():
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        for attribute in layer.adapter_layer_names:
+            for inner_name, held in getattr(layer, attribute, {}).items():
+                if inner_name in weight_set_of:
+                    parameters = held.parameters() if isinstance(held, nn.Module) else (held,)
+                    parts.update({id(parameter): WEIGHT_SET_GROUPS[weight_set_of[inner_name]]
+                                  for parameter in parameters})
+    return parts
 
 
 def bitune_parameter_groups(
@@ -68,17 +86,19 @@ def bitune_parameter_groups(
     """
     check_lr_ratio("bidirectional_lr_ratio", bidirectional_lr_ratio)
     check_lr_ratio("mixing_lr_ratio", mixing_lr_ratio)
-    if find_bitune_tuner(model) is None:
+    bitune = find_bitune_tuner(model)
+    if bitune is None:
         raise ValueError(
             "Separate learning rates for the Bitune weight sets need a model with a Bitune adapter "
             "(`get_peft_model(model, BituneConfig(...))`); this model has none."
         )
     ratios = {CAUSAL_GROUP: 1.0, BIDIRECTIONAL_GROUP: bidirectional_lr_ratio, MIXING_GROUP: mixing_lr_ratio}
+    parts = parameter_parts(bitune)
     groups: dict[tuple[str, bool], list[torch.Tensor]] = {}
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
-        part = parameter_part(name)
+        part = parts.get(id(parameter), CAUSAL_GROUP)  # anything else trainable trains at the base rate
         decays = part != MIXING_GROUP if decay_parameter_names is None else name in decay_parameter_names
         groups.setdefault((part, decays), []).append(parameter)
     if bidirectional_lr_ratio != 1.0 and not any(part == BIDIRECTIONAL_GROUP for part, _ in groups):
