@@ -129,6 +129,15 @@ def check_warmup_fits(warmup_steps: int, total_steps: int) -> None:
         )
 
 
+def check_warmup_steps(warmup_steps: Any, total_steps: int) -> None:
+    """Refuse a `mixing_warmup_steps` that is not a non-negative integer (0: no warm-up) or does not fit training."""
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(
+            f"`mixing_warmup_steps` must be a non-negative integer (0: no warm-up), got {warmup_steps!r}."
+        )
+    check_warmup_fits(warmup_steps, total_steps)
+
+
 class BituneMixingWarmupCallback(TrainerCallback):
     """
     A mixing warm-up (`BituneSFTConfig.mixing_warmup_steps`): at the start of optimizer step `t` the learned alphas
@@ -138,16 +147,29 @@ class BituneMixingWarmupCallback(TrainerCallback):
     adapter saved before the warm-up ends is loaded with its full mix.
 
     Args:
-        warmup_steps (`int`): the length of the warm-up in optimizer steps; at most the number of training steps.
+        warmup_steps (`int`, *optional*): the length of the warm-up in optimizer steps; at most the number of training
+            steps. `None` reads `args.mixing_warmup_steps` (a `BituneSFTConfig`) when each training run starts, so
+            that a value set after the trainer was made is the one used, and checked (0: no warm-up);
+            `BituneSFTTrainer` adds its warm-up this way.
     """
 
-    def __init__(self, warmup_steps: int) -> None:
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+    def __init__(self, warmup_steps: int | None = None) -> None:
+        if warmup_steps is not None and (
+            isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1
+        ):
             raise ValueError(f"`warmup_steps` must be a positive integer, got {warmup_steps!r}.")
         self.warmup_steps = warmup_steps
+        self._steps_in_force = warmup_steps or 0
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        check_warmup_fits(self.warmup_steps, state.max_steps)
+        steps = self.warmup_steps if self.warmup_steps is not None else getattr(args, "mixing_warmup_steps", None)
+        if steps is None:
+            raise ValueError(
+                "`BituneMixingWarmupCallback()` reads the warm-up from `args.mixing_warmup_steps`, which these "
+                f"{type(args).__name__} do not have: pass `warmup_steps`, or train with a `BituneSFTConfig`."
+            )
+        check_warmup_steps(steps, state.max_steps)
+        self._steps_in_force = steps
         self._release(model, state.global_step)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -157,7 +179,8 @@ class BituneMixingWarmupCallback(TrainerCallback):
         self._mixer(model).set_release(1.0)
 
     def _release(self, model: nn.Module, step: int) -> None:
-        self._mixer(model).set_release(min(1.0, step / self.warmup_steps))
+        steps = self._steps_in_force
+        self._mixer(model).set_release(min(1.0, step / steps) if steps else 1.0)
 
     @staticmethod
     def _mixer(model: nn.Module) -> nn.Module:

@@ -14,7 +14,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import TrainerCallback
 
 import trl_helpers as helpers
-from peft_bitune import BituneConfig, BituneMixingWarmupCallback, bitune_parameter_groups, create_bitune_optimizer
+from peft_bitune import BituneConfig, bitune_parameter_groups, create_bitune_optimizer
 from reference import alphas, make_bitune
 from test_forward import (
     PROMPT_LENGTHS,
@@ -252,8 +252,11 @@ def test_the_warm_up_releases_the_mix_linearly_and_ends_released(trl_model_dir, 
 
 
 def test_no_warm_up_by_default(trl_model_dir, tmp_path):
-    trainer = helpers.make_trainer(trl_model_dir, tmp_path, max_steps=1)
-    assert not any(isinstance(c, BituneMixingWarmupCallback) for c in trainer.callback_handler.callbacks)
+    trainer = helpers.make_trainer(trl_model_dir, tmp_path, max_steps=2)
+    recorder = ReleaseRecorder()
+    trainer.add_callback(recorder)
+    trainer.train()
+    assert recorder.releases == [1.0, 1.0]
 
 
 @pytest.mark.parametrize(("steps", "message"), [(-1, "non-negative integer"), (1.5, "non-negative integer"),

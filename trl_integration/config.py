@@ -9,7 +9,7 @@ from transformers import TrainingArguments
 from trl import SFTConfig
 
 from peft_bitune import compat
-from peft_bitune.callbacks import check_warmup_fits
+from peft_bitune.callbacks import check_warmup_steps
 from peft_bitune.optimizers import check_lr_ratio
 
 
@@ -124,10 +124,7 @@ def check_recipe_options(args: Any) -> None:
     warm-up against the number of steps again when training starts, for runs given in epochs)."""
     for name in ("bidirectional_lr_ratio", "mixing_lr_ratio"):
         check_lr_ratio(name, getattr(args, name))
-    warmup = args.mixing_warmup_steps
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"`mixing_warmup_steps` must be a non-negative integer (0: no warm-up), got {warmup!r}.")
-    check_warmup_fits(warmup, args.max_steps)
+    check_warmup_steps(args.mixing_warmup_steps, args.max_steps)
 
 
 def refuse_packing(args: Any) -> None:

@@ -58,6 +58,12 @@ from .model_cards import BituneModelCardMixin
 # The training options beyond the paper, at their defaults (the paper's recipe); the card names those that differ.
 RECIPE_DEFAULTS = {"bidirectional_lr_ratio": 1.0, "mixing_lr_ratio": 1.0, "mixing_warmup_steps": 0}
 
+OWN_OPTIMIZER_WITH_RATIOS = (
+    "`bidirectional_lr_ratio` and `mixing_lr_ratio` set the learning rates of the optimizer the trainer creates, but "
+    "`optimizers` gives one of your own. Build it with `peft_bitune.optimizers.create_bitune_optimizer(model, ..., "
+    "bidirectional_lr_ratio=..., mixing_lr_ratio=...)` and leave both ratios at 1 in the config."
+)
+
 
 class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
     """
@@ -128,12 +134,8 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
     ) -> None:
         args = as_bitune_config(args, model)
         if optimizers[0] is not None and (args.bidirectional_lr_ratio != 1.0 or args.mixing_lr_ratio != 1.0):
-            raise ValueError(
-                "`bidirectional_lr_ratio` and `mixing_lr_ratio` set the learning rates of the optimizer the trainer "
-                "creates, but `optimizers` gives one of your own. Build it with "
-                "`peft_bitune.optimizers.create_bitune_optimizer(model, ..., bidirectional_lr_ratio=..., "
-                "mixing_lr_ratio=...)` and leave both ratios at 1 in the config."
-            )
+            raise ValueError(OWN_OPTIMIZER_WITH_RATIOS)
+        self._given_optimizer = optimizers[0]
         peft_config = bitune_peft_config(model, peft_config)
         check_training_setup(args, peft_config or model.peft_config[model.active_adapter])
         if formatting_func is not None:
@@ -169,8 +171,10 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
         prepared = {"train_dataset": self.train_dataset, **named_eval_datasets(self.eval_dataset)}
         check_rows_kept(rows_given, prepared, self.args)
         keep_mixing_scalars_in_float32(self.model)
-        if self.args.mixing_warmup_steps > 0:
-            self.add_callback(BituneMixingWarmupCallback(self.args.mixing_warmup_steps))
+        if not any(isinstance(callback, BituneMixingWarmupCallback) for callback in self.callback_handler.callbacks):
+            # Reads `args.mixing_warmup_steps` when training starts: a value set after the trainer is made is used,
+            # and checked against the number of steps.
+            self.add_callback(BituneMixingWarmupCallback())
         if not any(isinstance(callback, BituneMixingCallback) for callback in self.callback_handler.callbacks):
             # First, so that the reporting integrations (`report_to`) see the values it adds to the logs.
             mixing = BituneMixingCallback(self.args.mixing_logging_steps, gather=self._whole_mixing_scalars)
@@ -199,6 +203,8 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
         """The Trainer's optimizer, with the learning rate of each part of the adapter when
         `args.bidirectional_lr_ratio` or `args.mixing_lr_ratio` differ from 1 (`peft_bitune.optimizers`)."""
         default_rates = self.args.bidirectional_lr_ratio == 1.0 and self.args.mixing_lr_ratio == 1.0
+        if self.optimizer is not None and self.optimizer is self._given_optimizer and not default_rates:
+            raise ValueError(OWN_OPTIMIZER_WITH_RATIOS)  # the ratios were set after the trainer was made
         if self.optimizer is not None or default_rates:
             return super().create_optimizer(model) if model is not None else super().create_optimizer()
         opt_model = self.model if model is None else model
