@@ -4,21 +4,25 @@
 Bitune reads each row's instructions from the labels TRL builds, so data that carries no instruction/answer boundary
 (plain text, a formatting function, conversations without `assistant_only_loss`) is refused, as are settings that break
 the three-pass forward (packing, reentrant or FSDP's own checkpointing, DeepSpeed ZeRO-3 with checkpointing) and a
-`loss_type` the trainer does not implement. Each refusal says what works instead.
+`loss_type` the trainer does not implement. Resuming from a checkpoint with recipe options other than those it was
+trained with is refused too. Each refusal says what works instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import warnings
 from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
+import torch
 from datasets import Dataset, IterableDataset
 from peft import PeftConfig, PeftModel
 from transformers import TrainingArguments
+from transformers.trainer import OPTIMIZER_NAME
 from trl.data_utils import is_conversational, is_conversational_from_value
 
 from peft_bitune import BituneConfig, BituneModel, compat
@@ -239,3 +243,66 @@ def check_prepared_labels(dataset: Any, name: str) -> None:
             f"Rows {format_rows(no_answer)} of the prepared `{name}` have no supervised token (all labels are -100), "
             "so there is no answer to train on. Remove them, or raise `max_length` if truncation cut the answers off."
         )
+
+
+# ---------------------------------------------------------------------- resuming keeps the recipe
+# The training options beyond the paper, at their defaults (the paper's recipe). A checkpoint records their values in
+# `RECIPE_FILE`, next to the optimizer and scheduler whose state they shape.
+RECIPE_DEFAULTS = {"bidirectional_lr_ratio": 1.0, "mixing_lr_ratio": 1.0, "mixing_warmup_steps": 0}
+RECIPE_FILE = "bitune_recipe.json"
+
+
+def write_recipe(checkpoint: str, args: BituneSFTConfig) -> None:
+    """Record in a checkpoint the recipe options it is trained with, for `check_resumed_recipe`."""
+    with open(os.path.join(checkpoint, RECIPE_FILE), "w", encoding="utf-8") as file:
+        json.dump({name: getattr(args, name) for name in RECIPE_DEFAULTS}, file, indent=2)
+
+
+def check_resumed_recipe(checkpoint: str | None, args: BituneSFTConfig, optimizer_given: bool = False) -> None:
+    """
+    Refuse to resume from `checkpoint` with recipe options other than those it was trained with. The Trainer restores
+    the saved optimizer and scheduler, which keep the checkpoint's learning rate of each part (a new ratio would be
+    ignored, or a switched one fail in torch on the number of parameter groups), and the warm-up is a schedule over
+    the whole run: a resumed run continues the one it was saved from, as it was. A checkpoint written before the
+    options were recorded shows its learning-rate multiples in its optimizer's parameter groups (its warm-up, nowhere),
+    unless that optimizer was the user's own (`optimizer_given`), whose rates the options do not set.
+    """
+    if checkpoint is None:
+        return
+    recorded = _recorded_recipe(checkpoint, read_optimizer=not optimizer_given)
+    if recorded is None:
+        return
+    current = {name: getattr(args, name) for name in recorded}
+    changed = [
+        f"`{name}={current[name]!r}` is set, but it was trained with `{name}={recorded[name]!r}`"
+        for name in recorded if current[name] != recorded[name]
+    ]
+    if changed:
+        raise ValueError(
+            f"Cannot resume from '{checkpoint}' with another recipe: {'; '.join(changed)}. A resumed run continues "
+            "the one it was saved from (its saved optimizer and scheduler keep its learning rates), so resume with "
+            "the checkpoint's values; to train on with the new ones, start a new run from its adapter "
+            "(`PeftModel.from_pretrained(base, checkpoint, is_trainable=True)`) without `resume_from_checkpoint`."
+        )
+
+
+def _recorded_recipe(checkpoint: str, read_optimizer: bool) -> dict[str, Any] | None:
+    """The recipe options a checkpoint records, or what its optimizer shows of them; `None` if neither is there."""
+    path = os.path.join(checkpoint, RECIPE_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as file:
+            return {name: value for name, value in json.load(file).items() if name in RECIPE_DEFAULTS}
+    path = os.path.join(checkpoint, OPTIMIZER_NAME)
+    if not read_optimizer or not os.path.isfile(path):
+        return None
+    rates = {}  # the base rate of each part with its own group (`bitune_<part>`, `bitune_<part>_no_decay`)
+    for group in torch.load(path, map_location="cpu", weights_only=True).get("param_groups", []):
+        name = str(group.get("name", ""))
+        if name.startswith("bitune_"):
+            rates[name.removeprefix("bitune_").removesuffix("_no_decay")] = group.get("initial_lr", group["lr"])
+    if not rates:
+        return {"bidirectional_lr_ratio": 1.0, "mixing_lr_ratio": 1.0}  # the Trainer's own groups: both at 1
+    base = rates.get("causal")
+    if not base:
+        return None
+    return {f"{part}_lr_ratio": float(f"{rates.get(part, base) / base:.6g}") for part in ("bidirectional", "mixing")}

@@ -43,20 +43,20 @@ from peft_bitune.safetensors_only import safetensors_problem
 
 from .checks import (
     FORMATS_THAT_WORK,
+    RECIPE_DEFAULTS,
     as_bitune_config,
     bitune_peft_config,
     check_dataset_format,
     check_loss_type,
     check_prepared_labels,
+    check_resumed_recipe,
     check_rows_kept,
     check_training_setup,
     named_eval_datasets,
+    write_recipe,
 )
 from .config import BituneSFTConfig
 from .model_cards import BituneModelCardMixin
-
-# The training options beyond the paper, at their defaults (the paper's recipe); the card names those that differ.
-RECIPE_DEFAULTS = {"bidirectional_lr_ratio": 1.0, "mixing_lr_ratio": 1.0, "mixing_warmup_steps": 0}
 
 OWN_OPTIMIZER_WITH_RATIOS = (
     "`bidirectional_lr_ratio` and `mixing_lr_ratio` set the learning rates of the optimizer the trainer creates, but "
@@ -226,6 +226,23 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
         )
         self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
+
+    # ------------------------------------------------------------------ the recipe of a resumed run
+    # A checkpoint records its recipe options next to the optimizer and scheduler, and a run resumed from it must use
+    # the same (`check_resumed_recipe`): checked before the weights are loaded, and before the optimizer for DeepSpeed,
+    # which loads the weights on its own.
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            write_recipe(output_dir, self.args)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        check_resumed_recipe(resume_from_checkpoint, self.args, self._given_optimizer is not None)
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        check_resumed_recipe(checkpoint, self.args, self._given_optimizer is not None)
+        super()._load_optimizer_and_scheduler(checkpoint)
 
     # ------------------------------------------------------------------ loss and metrics
     def compute_loss(
