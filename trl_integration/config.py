@@ -47,6 +47,10 @@ class BituneSFTConfig(SFTConfig):
             learns over a cache it knows and the bidirectional read comes in gradually. Both weight sets and the
             scalars train throughout. At most `max_steps`; 0 turns it off.
 
+    `bidirectional_lr_ratio`, `mixing_lr_ratio` and `mixing_warmup_steps` are read when training starts, so values
+    assigned after the trainer is made are used (and checked). A run resumed from a checkpoint must use the values it
+    was trained with, which the checkpoint records: other values are refused, naming the checkpoint's.
+
     Refused settings (each with the reason in the error): `packing`, `padding_free` and `eval_packing` (a packed row
     holds several instruction/answer pairs whose boundaries the Bitune forward cannot see).
     """
