@@ -3,6 +3,7 @@ model's weights are read; and the command serves an adapter (fixtures in conftes
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -46,7 +47,19 @@ def test_a_missing_or_truncated_adapter_is_refused(serving_adapter, tmp_path):
     weights = truncated / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     message = refusal([*common, "--adapter", str(truncated)])
-    assert "cannot load the adapter weights" in message and "truncated or corrupt" in message
+    assert "adapter_model.safetensors" in message and "truncated" in message
+    assert ".." not in message and message.count("adapter again") == 1  # one sentence of advice, said once
+
+
+def test_an_adapter_the_tuner_refuses_is_refused_in_one_sentence_without_a_stray_hint(serving_adapter, tmp_path):
+    """A refusal of the project's own (here: a layer the base model does not have) already says what to do."""
+    broken = tmp_path / "layer-99"
+    shutil.copytree(serving_adapter, broken)
+    config = json.loads((broken / "adapter_config.json").read_text())
+    config["mixed_layers"] = [99]
+    (broken / "adapter_config.json").write_text(json.dumps(config))
+    message = refusal(["--model", BASE, "--chat-template", TEMPLATE_FILE, "--adapter", str(broken)])
+    assert "99" in message and ".." not in message and "truncated or corrupt" not in message
 
 
 def test_a_port_in_use_is_refused(serving_adapter):

@@ -170,8 +170,14 @@ def load_engine(args: argparse.Namespace) -> Any:
     try:
         model = PeftModel.from_pretrained(base.to(args.device), args.adapter)
     except Exception as error:  # safetensors, PEFT and our own checks: all a file the user must fix
-        raise fail(f"cannot load the adapter weights of {args.adapter!r}: {type(error).__name__}: {error}. If the "
-                   "file is truncated or corrupt, save (or download) the adapter again.") from None
+        detail = str(error).rstrip()
+        detail += "" if detail.endswith(".") else "."
+        # The project's own refusals (ValueError) already say what to do; a raw library error gets the likely fix.
+        hint = ""
+        if not isinstance(error, ValueError):
+            hint = " If the file is truncated or corrupt, save (or download) the adapter again."
+        message = f"cannot load the adapter weights of {args.adapter!r}: {type(error).__name__}: {detail}{hint}"
+        raise fail(message) from None
     limits = BatchLimits(args.max_batch_size, args.max_batch_tokens)
     return ChatEngine(model.eval(), tokenizer, chat_template, int(args.cache_memory_mb * 2**20), limits)
 
