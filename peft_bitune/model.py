@@ -78,6 +78,7 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
         config: BituneConfig = self.peft_config[adapter_name]
         if not isinstance(config, BituneConfig):
             raise TypeError(f"BituneModel holds only Bitune adapters; `{adapter_name}` has a {type(config).__name__}.")
+        config.check()  # first: a field assigned after the config was made is refused by name, before any use
         check_base_model_supported(model)
         check_quantized_base(model, config.adapter_config)
         match_base_model(config, model, adapter_name)

@@ -39,6 +39,9 @@ ASSIGNED_LATER = [
     ("multi_turn", "all", "`multi_turn` must be one of"),
     ("task_type", "SEQ_CLS", "`task_type` must be 'CAUSAL_LM'"),
     ("adapter_config", LoraConfig(modules_to_save=["lm_head"]), "`adapter_config` cannot use `modules_to_save`"),
+    # Read by the quantized-base check before anything else: the config is checked first.
+    ("adapter_config", "lora", "`adapter_config` must be a PEFT config"),
+    ("adapter_config", {"r": 4}, "`adapter_config` must name a known PEFT method"),
 ]
 
 
@@ -48,7 +51,7 @@ def test_a_field_assigned_after_the_config_is_made_is_checked_when_the_adapter_i
     config = BituneConfig(adapter_config=tiny_lora(), mixed_layers=[0])
     setattr(config, name, value)
     base = load_base("llama")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((TypeError, ValueError), match=message):  # a value of the wrong type is a TypeError
         get_peft_model(base, config)
     assert not any("lora_" in parameter_name for parameter_name, _ in base.named_parameters())
 
