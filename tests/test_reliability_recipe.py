@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
-from transformers import TrainerCallback
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 import trl_helpers as helpers
 from peft_bitune import BituneConfig, BituneMixingWarmupCallback, create_bitune_optimizer
@@ -303,3 +303,29 @@ def test_the_trainer_still_has_the_hooks_that_keep_the_recipe(hook):
         f"transformers' Trainer no longer has `{hook}`, which BituneSFTTrainer overrides to record a checkpoint's "
         "recipe and check it on resume: find what replaced it and update the override."
     )
+
+
+class StopAtStep(TrainerCallback):
+    """Ends training at a step with an exception, as a failing callback or Ctrl-C (KeyboardInterrupt) would."""
+
+    def __init__(self, step: int, error: BaseException) -> None:
+        self.step, self.error = step, error
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise self.error
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("a callback failed")], ids=["ctrl_c", "error"])
+def test_training_stopped_during_the_warm_up_leaves_the_model_mixing_as_its_saved_copy(trl_model_dir, tmp_path,
+                                                                                       error):
+    trainer = helpers.make_trainer(trl_model_dir, tmp_path, mixing_warmup_steps=5, max_steps=6)
+    trainer.add_callback(StopAtStep(2, error))
+    with pytest.raises(type(error)):
+        trainer.train()
+    model = trainer.model
+    assert model.base_model.mixer.release == 1.0
+    model.save_pretrained(tmp_path / "saved")
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trl_model_dir), tmp_path / "saved")
+    for name, alpha in model.base_model.get_mixing_coefficients().items():
+        assert torch.equal(alpha, loaded.base_model.get_mixing_coefficients()[name])

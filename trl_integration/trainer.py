@@ -290,8 +290,14 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """[`~transformers.Trainer.train`], resuming from the last *complete* checkpoint of `args.output_dir` when
         `resume_from_checkpoint=True`, and refusing a named checkpoint that is incomplete (see
-        `_complete_checkpoint`)."""
-        return super().train(self._complete_checkpoint(resume_from_checkpoint), *args, **kwargs)
+        `_complete_checkpoint`). However training ends (finished, interrupted or failed), the mixing warm-up's release
+        is lifted: it scales the mix during training only, and the model in memory must mix as its saved copy does."""
+        try:
+            return super().train(self._complete_checkpoint(resume_from_checkpoint), *args, **kwargs)
+        finally:
+            bitune = find_bitune_tuner(self.accelerator.unwrap_model(self.model))
+            for mixer in bitune.bitune_mixers.values() if bitune is not None else ():
+                mixer.set_release(1.0)
 
     def _complete_checkpoint(self, resume_from_checkpoint: str | bool | None) -> str | bool | None:
         """
