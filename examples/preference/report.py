@@ -25,6 +25,7 @@ RECORDS = REPOSITORY / "docs" / "results" / "preference_runs" / "smollm2"
 STAGES = ("sft", "before", "dpo", "after")
 METHODS = ("bitune", "lora")
 TITLES = {"bitune": "Bitune", "lora": "LoRA"}
+STAGE_TITLES = {"sft": "SFT", "before": "test scores before DPO", "dpo": "DPO", "after": "test scores after DPO"}
 TASK_TITLES = {"piqa": "PIQA", "arc_challenge": "ARC-Challenge", "csqa": "CommonsenseQA", "siqa": "SIQA",
                "mmlu": "MMLU", "average": "Average"}
 PAGE_START = "<!-- preference-report:start (written by examples/preference/report.py --page; do not edit) -->"
@@ -142,11 +143,11 @@ def markdown(report: dict) -> str:
     if report["complete"]:
         lines.append("Every stage of both chains has its record.")
     else:
-        missing = [f"{TITLES[method]} {stage}" for method, stages in report["records"].items()
+        missing = [f"{TITLES[method]} {STAGE_TITLES[stage]}" for method, stages in report["records"].items()
                    for stage, name in stages.items() if name is None]
-        present = [f"{TITLES[method]} {stage}" for method, stages in report["records"].items()
+        present = [f"{TITLES[method]} {STAGE_TITLES[stage]}" for method, stages in report["records"].items()
                    for stage, name in stages.items() if name is not None]
-        lines.append(f"**Runs in progress.** Records present: {', '.join(present) or 'none'}. Not yet run: "
+        lines.append(f"**Runs in progress.** Records present: {', '.join(present) or 'none'}. Not yet finished: "
                      f"{', '.join(missing)}. The numbers below are those of the records present.")
     lines.append("")
     tested = {method: entry for method, entry in report["methods"].items() if "before" in entry or "after" in entry}
