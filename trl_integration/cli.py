@@ -7,7 +7,9 @@ defaults are Bitune's (LoRA r=8, alpha=16, no dropout, all linear layers) rather
 PEFT's per-architecture target modules). Like `trl sft`, it launches itself through `accelerate launch`: arguments
 that are not training arguments (`--num_processes`, `--config_file`, `--accelerate_config`) go to the launcher. When a
 training process fails, its error is the last line `bitune-sft` prints (not the launcher's), and the exit status is
-the process's. A dataset's empty data files and missing splits are refused by name before the model loads.
+the process's. Flags that cannot work (a number that is not finite, a recipe option out of range, `--mixed_layers`
+that the model's depth, read from its config.json, does not have) are refused with one line before anything is
+launched or loaded; a dataset's empty data files and missing splits are refused by name before the model loads.
 
 ```bash
 bitune-sft --model_name_or_path Qwen/Qwen2-0.5B --dataset_name trl-lib/tldr --output_dir Qwen2-0.5B-Bitune \
@@ -126,10 +128,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    *configs, config_remaining, cli_remaining = make_parser().parse_args_and_config(
+    *configs, config_remaining, cli_remaining = _parse_or_refuse(
         argv, return_remaining_strings=True, separate_remaining_strings=True
     )
-    refuse_unusable_config_numbers(configs)
+    refuse_before_any_work(configs)
     launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
     training_script_args = _without_subsequence(argv, cli_remaining)
     launch_parser = launch_command_parser()
@@ -219,12 +221,57 @@ def _training_process() -> None:
 def train(argv: Sequence[str] | None = None) -> None:
     """The training script that `bitune-sft` launches (`python -m trl_integration.cli`, in every process): parse the
     arguments (`argv`, or the command line) and train, save and optionally push, as `trl sft`'s script does."""
-    parser = make_parser()
-    script_args, training_args, model_args, dataset_args, bitune_args = parser.parse_args_and_config(
-        args=argv, fail_with_unknown_args=True
-    )
-    refuse_unusable_config_numbers([script_args, training_args, model_args, dataset_args, bitune_args])
-    run(script_args, training_args, model_args, dataset_args, bitune_args)
+    configs = _parse_or_refuse(argv, fail_with_unknown_args=True)
+    refuse_before_any_work(configs)
+    run(*configs)
+
+
+def _refusal(error: BaseException) -> SystemExit:
+    """The one line `bitune-sft` exits with when a flag cannot work."""
+    return SystemExit(f"bitune-sft: {' '.join(str(error).split())}")
+
+
+def _parse_or_refuse(argv: Sequence[str] | None, **kwargs: Any) -> list[Any]:
+    """The parsed configs; a value that a config's own checks refuse while it is made (`--mixing_lr_ratio nan`,
+    `--mixing_warmup_steps` above `--max_steps`, TRL's and transformers' checks) is refused with its message in one
+    line, not a traceback."""
+    try:
+        return list(make_parser().parse_args_and_config(argv, **kwargs))
+    except ValueError as error:
+        raise _refusal(error) from None
+
+
+def refuse_before_any_work(configs: Sequence[Any]) -> None:
+    """Refuse, with one line and before anything is launched or loaded, flags that cannot work: an unusable number
+    (`refuse_unusable_config_numbers`), and a Bitune adapter that cannot be built, including `--mixed_layers` naming
+    a layer the model does not have (its depth is read from its config.json; no weights are loaded)."""
+    _, training_args, model_args, _, bitune_args = configs
+    refuse_unusable_config_numbers(configs)
+    try:
+        peft_config = build_peft_config(model_args, bitune_args)
+        if peft_config.mixed_layers is not None and (depth := _model_depth(model_args, training_args)) is not None:
+            peft_config.check_depth(depth)
+    except (ValueError, TypeError) as error:
+        raise _refusal(error) from None
+
+
+def _model_depth(model_args: ModelConfig, training_args: BituneSFTConfig) -> int | None:
+    """The number of decoder layers of `--model_name_or_path`, from its config alone; None where the config cannot be
+    read here (the training process then checks `mixed_layers` once the model has loaded, and reports why it cannot
+    load it)."""
+    from transformers import AutoConfig
+
+    if not model_args.model_name_or_path:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(
+            model_args.model_name_or_path,
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
+        )
+    except (OSError, ValueError, KeyError):
+        return None
+    return getattr(config.get_text_config(), "num_hidden_layers", None)
 
 
 def refuse_unusable_config_numbers(configs: Sequence[Any]) -> None:
