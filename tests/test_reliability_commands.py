@@ -1,12 +1,15 @@
-"""The commands refuse what cannot work with one line, before any work (issue 49, item 9): `bitune-sft` recipe flags
-that a config's own checks refuse, and `--mixed_layers` that the model's depth (read from its config.json) does not
-have."""
+"""The commands refuse what cannot work with one line, before any work (issue 49, items 9 and 10): `bitune-sft` recipe
+flags that a config's own checks refuse, and `--mixed_layers` that the model's depth (read from its config.json) does
+not have; `bitune-serve` an adapter whose adapter_config.json is not a PEFT config."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
-from serving_helpers import BASE
+from serving_helpers import BASE, TEMPLATE_FILE
 
 # ---------------------------------------------------------------------- item 9: `bitune-sft` recipe flags
 REFUSED_RECIPE_FLAGS = [
@@ -76,3 +79,32 @@ def test_bitune_sft_leaves_the_depth_check_to_training_where_the_model_config_ca
     monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
     main(sft_arguments(str(tmp_path), ["--mixed_layers", "9"]))
     assert len(launched) == 1
+
+
+# ---------------------------------------------------------------------- item 10: `bitune-serve`
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (lambda config: {k: v for k, v in config.items() if k != "peft_type"}, "has no `peft_type`"),
+        (lambda config: {**config, "peft_type": "NO_SUCH_METHOD"}, '`peft_type` "NO_SUCH_METHOD", which is no'),
+        (lambda config: [config], "must hold a JSON object"),
+        (lambda config: None, "must hold a JSON object"),
+    ],
+    ids=["no-peft-type", "unknown-peft-type", "list", "null"],
+)
+def test_bitune_serve_refuses_an_adapter_config_that_is_not_a_peft_config_in_one_line(
+    serving_adapter, tmp_path, content, message
+):
+    """PEFT fails on these with a `TypeError` or `KeyError`, which the server printed as a traceback."""
+    pytest.importorskip("fastapi", reason="the serving tests need the `serve` extra")
+    from peft_bitune.serving import cli
+
+    broken = tmp_path / "adapter"
+    shutil.copytree(serving_adapter, broken)
+    config_file = broken / "adapter_config.json"
+    config_file.write_text(json.dumps(content(json.loads(config_file.read_text()))))
+    with pytest.raises(SystemExit) as error:
+        cli.main(["--model", BASE, "--adapter", str(broken), "--chat-template", TEMPLATE_FILE, "--port", "0"])
+    refusal = str(error.value.code)
+    assert refusal.startswith("bitune-serve: ") and "\n" not in refusal, refusal
+    assert str(config_file) in refusal and message in refusal and "adapter again" in refusal, refusal

@@ -130,18 +130,12 @@ def load_engine(args: argparse.Namespace) -> Any:
     """The tokenizer, adapter config and chat template first (all checked before any weights are read), then the
     model and adapter."""
     import torch
-    from peft import PeftConfig, PeftModel
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import peft_bitune  # noqa: F401  (registers the BITUNE adapter type; without it: KeyError: 'BITUNE')
 
     from .engine import ChatEngine
 
-    try:
-        config = PeftConfig.from_pretrained(args.adapter)
-    except (OSError, ValueError) as error:
-        raise fail(f"cannot read the adapter {args.adapter!r}: {error}. Pass a folder saved with `save_pretrained` "
-                   "(it holds adapter_config.json) or a Hub id of one.") from None
+    config = read_adapter_config(args.adapter)
     if not is_bitune_type(config.peft_type):
         raise fail(f"{args.adapter!r} is a {peft_type_name(config.peft_type)} adapter, not a Bitune one; serve it "
                    "with vLLM or `transformers serve`.")
@@ -180,6 +174,53 @@ def load_engine(args: argparse.Namespace) -> Any:
         raise fail(message) from None
     limits = BatchLimits(args.max_batch_size, args.max_batch_tokens)
     return ChatEngine(model.eval(), tokenizer, chat_template, int(args.cache_memory_mb * 2**20), limits)
+
+
+def read_adapter_config(adapter: str) -> Any:
+    """The adapter's PEFT config; an adapter that has none, or whose adapter_config.json is not a PEFT config (not
+    JSON, not an object, no `peft_type`, on which PEFT fails with a `TypeError` or `KeyError`), is refused in one line
+    that names the file and what is wrong with it."""
+    from peft import PeftConfig
+
+    import peft_bitune  # noqa: F401  (registers the BITUNE adapter type; without it: KeyError: 'BITUNE')
+
+    try:
+        return PeftConfig.from_pretrained(adapter)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        problem = config_file_problem(adapter)
+        if problem is None:
+            raise fail(f"cannot read the adapter {adapter!r}: {error}. Pass a folder saved with `save_pretrained` (it "
+                       "holds adapter_config.json) or a Hub id of one.") from None
+        raise fail(f"cannot read the adapter {adapter!r}: {problem}. Save (or download) the adapter again, or restore "
+                   "the file.") from None
+
+
+def config_file_problem(adapter: str) -> str | None:
+    """What is wrong with the adapter_config.json of a local adapter folder, or None (no such file, or nothing found
+    wrong with it here)."""
+    import json
+
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    path = os.path.join(adapter, "adapter_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            data = json.load(file)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return f"{path} is {'empty' if os.path.getsize(path) == 0 else f'not valid JSON ({error})'}"
+    if not isinstance(data, dict):
+        return (f"{path} must hold a JSON object of config fields ({{\"peft_type\": \"BITUNE\", ...}}), but holds "
+                f"`{json.dumps(data)[:40]}`")
+    if "peft_type" not in data:
+        return (f"{path} has no `peft_type`, so it does not say which adapter method it holds (a Bitune adapter's "
+                "is \"BITUNE\")")
+    peft_type = data["peft_type"]
+    if not isinstance(peft_type, str) or peft_type not in PEFT_TYPE_TO_CONFIG_MAPPING:
+        return (f"{path} has the `peft_type` {json.dumps(peft_type)[:40]}, which is no adapter method PEFT knows here "
+                "(a Bitune adapter's is \"BITUNE\")")
+    return None
 
 
 def check_chat_template(tokenizer: Any, chat_template: str | None, multi_turn: str, path: str | None) -> None:
