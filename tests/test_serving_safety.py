@@ -154,13 +154,14 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read_on(guarded, monkeypa
     assert built == []  # nothing was rendered or tokenized
 
 
-def test_non_finite_numbers_huge_seeds_and_lone_surrogates_get_400s(guarded):
+def test_non_finite_numbers_huge_seeds_huge_integers_and_lone_surrogates_get_400s(guarded):
     url, _ = guarded
     good = json.dumps(GOOD)[:-1]  # the body without its closing brace, to append raw JSON text
     cases = {
         good + ', "top_p": NaN}': None,
         good + ', "temperature": Infinity}': None,
         good + f', "seed": {2**64}}}': "seed",
+        good + ', "max_tokens": 1' + "0" * 4300 + "}": None,  # more digits than Python's int() converts
         json.dumps({**GOOD, "messages": [user("a\ud800b")]}): "messages[0].content",
         json.dumps({**GOOD, "stop": ["\udc00"]}): "stop[0]",
     }

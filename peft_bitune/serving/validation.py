@@ -1,6 +1,7 @@
 """Checks of a chat completion request body, each answered with OpenAI's error object and a 4xx status before any work.
 
 A body is refused when it is not strict JSON (NaN and Infinity are not JSON, though Python's parser reads them), when
+it holds an integer of more digits than Python converts (4,300 by default; no field takes a number near that), when
 it holds text that is not valid Unicode (a lone surrogate such as "\\ud800", which no tokenizer can encode), and when a
 field has a value OpenAI's API would refuse. Nothing is silently ignored: unknown fields are refused by name.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -44,7 +46,7 @@ class OpenAIError(Exception):
 def parse_body(raw: bytes) -> dict:
     """The request body as a JSON object of valid Unicode text; raises `OpenAIError` (400) otherwise."""
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
+        body = json.loads(raw, parse_constant=_refuse_constant, parse_int=_parse_int)
         if not isinstance(body, dict):
             raise OpenAIError(400, f"The request body must be a JSON object, got {type(body).__name__}.")
         _check_unicode(body, "")
@@ -53,6 +55,18 @@ def parse_body(raw: bytes) -> dict:
     except RecursionError:
         raise OpenAIError(400, "The request body is nested too deeply to be a chat completion request.") from None
     return body
+
+
+def _parse_int(text: str) -> int:
+    """A JSON integer, refused (400) where it has more digits than Python converts (`sys.get_int_max_str_digits()`):
+    `int` raises a `ValueError` that would otherwise be a 500."""
+    try:
+        return int(text)
+    except ValueError:
+        raise OpenAIError(
+            400, f"The request body holds an integer of {len(text.lstrip('-'))} digits, more than this server reads "
+            f"({sys.get_int_max_str_digits()}); no field takes a number that large.",
+        ) from None
 
 
 def _refuse_constant(name: str) -> Any:
