@@ -8,15 +8,24 @@ Peak memory of one training step, LoRA against Bitune, each with its loss comput
 The peak is the bytes allocated during one step (forward, loss, TRL's metrics, backward) above what was allocated
 before it (`measure.peak_bytes_during`: the weights and the batch are not counted). Methods:
 
-- `lora`: TRL's `SFTTrainer` (1.16): its fused LM head (`trl.trainer.utils.add_fused_lm_head`) projects through the
-  LM head in tiles and returns per-token log-probabilities; the loss is their negated mean. With Triton (CUDA) it
-  scores the supervised positions only and folds each tile in its kernel; on a CPU it scores every position and folds
-  each tile in torch, with float32 temporaries of the tile's size. The report's `lora_fused_head` gives that head's
-  own peak on the device measured, so that a CPU figure can be read for a GPU.
+- `lora`: TRL's `SFTTrainer` (1.16): `model(**batch, fused_lm_head=True)` through its fused LM head
+  (`trl.trainer.utils.add_fused_lm_head`), which projects through the LM head in tiles and returns per-token
+  log-probabilities; the loss is their negated sum over the supervised tokens, then TRL's metrics (entropy, token
+  accuracy) from the head's `entropy` and `is_top1`, without gradient. With Triton (CUDA) the head scores the
+  supervised positions only and folds each tile in its kernel; on a CPU it scores every position and folds each tile
+  in torch, with float32 temporaries of the tile's size.
 - `lora_full_logits`: `model(**batch).loss`, transformers' own loss, with logits at every position (a plain
   `Trainer`, or TRL before the fused head). Skipped where those logits alone would pass `--memory_cap_gib`.
-- `bitune`: `BituneSFTTrainer`: `model(**batch, num_items_in_batch=n).loss`, then TRL's metrics (entropy, token
-  accuracy) from the supervised logits, without gradient.
+- `bitune`: `BituneSFTTrainer`, whose loss is `SFTTrainer.compute_loss` itself: the same call, loss and metrics as
+  `lora`. The Bitune forward answers it from its answer passes (`peft_bitune/fused_head.py`), handing TRL's head each
+  answer chunk (x_m and the answer, A + 1 positions a row) instead of whole rows (P + A - 1); no logits are built.
+
+The report's `lora_fused_head` and `bitune_fused_head` give TRL's head alone at each method's positions on the device
+measured: on a CPU it is most of each step's peak with checkpointing, and scores three times as many positions for
+LoRA as for Bitune at P=512, A=256, while on a GPU both score the A answer positions of each row. So each shape also
+gives `bitune_excess_over_lora`: Bitune's peak minus LoRA's, in all, with each method's head taken out of its peak
+(closer to what a GPU shows), and per decoder layer where extrapolated, next to its floor `prompt_caches`: the keys
+and values both prompt passes record, which the mix keeps for the backward pass (`prompt_caches_bytes`).
 
 Shapes too deep for the machine are built at full width with `--layers` decoder layers (1 and 2 by default) and
 extrapolated linearly to their full depth: every decoder layer adds the same activations, so the peak is
@@ -50,7 +59,11 @@ from models import REAL_SHAPES, TINY_SHAPES, RealShape, lora_config, random_base
 from peft_bitune import BituneConfig, compat  # noqa: E402
 
 METHODS = ("lora", "lora_full_logits", "bitune")
+FUSED_HEAD_METHODS = ("lora", "bitune")  # trained through TRL's fused LM head
+# The per-token fields TRL's SFTTrainer asks its fused head for: the loss's (log_probs) and its metrics'.
+SFT_FIELDS = ("log_probs", "entropy", "is_top1")
 GIB = 2**30
+MIB = 2**20
 # The shapes measured in full, and those measured at a few layers and extrapolated to their full depth.
 FULL_DEPTH = ("smollm2-135m", "gemma-3-270m")
 EXTRAPOLATED = ("llama-3-8b", "gemma-7b")
@@ -58,10 +71,10 @@ EXTRAPOLATED = ("llama-3-8b", "gemma-7b")
 
 def prepared_model(base: torch.nn.Module, method: str, checkpointing: bool) -> torch.nn.Module:
     """Wrap `base` (consumed) for `method`, in training mode, with non-reentrant checkpointing if asked."""
-    if method == "lora":
-        from trl.trainer.utils import add_fused_lm_head  # TRL is only needed for this method
+    if method in FUSED_HEAD_METHODS:
+        from trl.trainer.utils import add_fused_lm_head  # TRL is only needed for these methods
 
-        add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))  # what SFTTrainer adds
+        add_fused_lm_head(base, outputs=SFT_FIELDS)  # what SFTTrainer adds, before PEFT wraps the model
     config = BituneConfig(adapter_config=lora_config()) if method == "bitune" else lora_config()
     model = get_peft_model(base, config)
     if checkpointing:
@@ -72,28 +85,21 @@ def prepared_model(base: torch.nn.Module, method: str, checkpointing: bool) -> t
 def step_function(model: torch.nn.Module, method: str, batch: dict[str, torch.Tensor]) -> Callable[[], None]:
     """One training step of `method` on `batch`, its loss computed as its trainer computes it."""
 
-    def lora() -> None:  # trl.SFTTrainer.compute_loss, default "nll" loss
+    def sft() -> None:  # trl.SFTTrainer.compute_loss, default "nll" loss, and its metrics; then Trainer's backward
         outputs = model(**batch, use_cache=False, fused_lm_head=True)
         loss = (-outputs.log_probs).sum() / outputs.label_mask.sum().clamp(min=1)
+        with torch.no_grad():
+            num_valid = outputs.label_mask.sum()
+            _metrics = (outputs.entropy.detach().sum() / num_valid, outputs.is_top1.sum() / num_valid)
+        del outputs  # the Trainer keeps the loss only
         loss.backward()
 
     def lora_full_logits() -> None:  # transformers.Trainer.compute_loss
         model(**batch, use_cache=False).loss.backward()
 
-    def bitune() -> None:  # trl_integration.BituneSFTTrainer.compute_loss, default "nll" loss, and its metrics
-        from trl.trainer.utils import entropy_from_logits
-
-        labels = batch["labels"]
-        outputs = model(**batch, num_items_in_batch=(labels != -100).sum())
-        target_mask = labels[:, 1:] != -100
-        with torch.no_grad():
-            target_logits = outputs.logits[:, :-1][target_mask]
-            entropy_from_logits(target_logits).sum()
-            (target_logits.argmax(dim=-1) == labels[:, 1:][target_mask]).sum()
-            del target_logits
-        outputs.loss.backward()
-
-    steps = {"lora": lora, "lora_full_logits": lora_full_logits, "bitune": bitune}
+    # LoRA through TRL's `SFTTrainer`, Bitune through `BituneSFTTrainer`, whose loss is `SFTTrainer.compute_loss`
+    # itself: the Bitune forward answers the fused-head call from its answer passes (peft_bitune/fused_head.py).
+    steps = {"lora": sft, "lora_full_logits": lora_full_logits, "bitune": sft}
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
@@ -104,29 +110,69 @@ def step_function(model: torch.nn.Module, method: str, batch: dict[str, torch.Te
 
 
 def fused_head_bytes(config, batch_shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype,
-                     skip_arithmetic: bool) -> tuple[int, int]:
-    """TRL's fused LM head alone (forward and backward of `trl.kernels.ChunkedLogProbFunction`, as `lora` calls it):
-    its peak bytes on `device` and the positions it scores. Why: off Triton devices (a CPU) TRL scores every position
-    and folds each vocabulary tile with float32 temporaries in torch, which dominates LoRA's step on a CPU; with Triton
-    (CUDA) it scores the answer positions only and folds in the kernel, holding one tile."""
+                     skip_arithmetic: bool, method: str = "lora") -> tuple[int, int]:
+    """TRL's fused LM head alone (forward and backward of `trl.kernels.ChunkedLogProbFunction`, with the fields
+    SFTTrainer asks for) at the positions `method` gives it: its peak bytes on `device` and the positions it scores.
+    Why: off Triton devices (a CPU) TRL scores every position it is handed and folds each vocabulary tile with float32
+    temporaries in torch, which dominates a step on a CPU; with Triton (CUDA) it scores the answer positions only and
+    folds in the kernel. LoRA hands it whole rows (P + A - 1 positions each), Bitune its answer chunks (x_m and the
+    answer, A + 1 positions each), so on a CPU LoRA's head scores three times Bitune's positions at P=512, A=256; on
+    a GPU both score the A answer positions of each row."""
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction, _use_triton
     from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
     batch_size, prompt, answer = batch_shape
     text_config = config.get_text_config()
-    positions = batch_size * (answer if _use_triton(device) else prompt + answer - 1)
+    scored = {"lora": prompt + answer - 1, "bitune": answer + 1}[method]
+    positions = batch_size * (answer if _use_triton(device) else scored)
     hidden = torch.zeros(positions, text_config.hidden_size, device=device, dtype=dtype, requires_grad=True)
     weight = torch.zeros(text_config.vocab_size, text_config.hidden_size, device=device, dtype=dtype)
     targets = torch.zeros(positions, dtype=torch.long, device=device)
 
     def head() -> None:
         log_probs = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE,
-                                                 None, 1.0, ("log_probs", "entropy", "is_top1"))[0]
+                                                 None, 1.0, SFT_FIELDS)[0]
         (-log_probs).sum().backward()
         hidden.grad = None
 
     measured = (lambda: SkipMatmulArithmetic.around(head)) if skip_arithmetic else head
     return peak_bytes_during(measured, device), positions
+
+
+def prompt_caches_bytes(config, batch_shape: tuple[int, int, int], dtype: torch.dtype) -> int:
+    """The floor of Bitune's extra memory: the keys and values both prompt passes record (x_1..x_{P-1} of every row,
+    every layer, in the model's dtype), which the mix keeps for the backward pass (`mixing._MixInFloat32` saves both
+    caches in their own dtype): layers x 2 passes x (keys + values) x batch x kv_heads x (P - 1) x head_dim x bytes."""
+    text_config = config.get_text_config()
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    batch_size, prompt, _ = batch_shape
+    return (text_config.num_hidden_layers * 2 * 2 * batch_size * kv_heads * (prompt - 1) * head_dim
+            * torch.finfo(dtype).bits // 8)
+
+
+def excess_over_lora(result: dict, settings: tuple[str, ...] = ("_checkpointing", "")) -> dict:
+    """Bitune's peak minus LoRA's per setting, next to the floor (`prompt_caches_bytes`): in all, per decoder layer
+    where extrapolated (the difference of their per-layer slopes), and with each method's fused head (measured alone,
+    `*_fused_head`) taken out of its peak, which is what differs most between a CPU and a GPU."""
+    peaks, per_layer = result["peak_bytes"], result.get("per_layer_bytes", {})
+    floor = result["prompt_caches"]
+    excess = {}
+    for setting in settings:
+        bitune, lora = f"bitune{setting}", f"lora{setting}"
+        if bitune not in peaks or lora not in peaks:
+            continue
+        cell = {"bytes": peaks[bitune] - peaks[lora], "floor_bytes": floor["bytes"]}
+        if "bitune_fused_head" in result and "lora_fused_head" in result:
+            heads = result["bitune_fused_head"]["peak_bytes"] - result["lora_fused_head"]["peak_bytes"]
+            cell["without_heads_bytes"] = cell["bytes"] - heads
+            cell["without_heads_ratio"] = ((peaks[bitune] - result["bitune_fused_head"]["peak_bytes"])
+                                           / (peaks[lora] - result["lora_fused_head"]["peak_bytes"]))
+        if bitune in per_layer and lora in per_layer:
+            cell["per_layer_bytes"] = per_layer[bitune] - per_layer[lora]
+            cell["floor_per_layer_bytes"] = floor["per_layer_bytes"]
+        excess[setting] = cell
+    return excess
 
 
 def full_logits_bytes(config, batch_size: int, length: int, dtype: torch.dtype) -> int:
@@ -192,15 +238,20 @@ def measure_shape(shape: RealShape, layer_counts: list[int] | None, batch_shape:
                 per_layer = (peak_high - peak_low) / (high - low)
                 result.setdefault("per_layer_bytes", {})[key] = per_layer
                 result["peak_bytes"][key] = round(peak_low + (shape.num_hidden_layers - low) * per_layer)
-    if "lora" in methods:
-        head_bytes, positions = fused_head_bytes(shape.config(counts[0]), batch_shape, device, dtype, skip_arithmetic)
-        result["lora_fused_head"] = {"peak_bytes": head_bytes, "positions": positions}
-        log(f"{shape.name} TRL's fused head alone ({positions} positions): {head_bytes / GIB:.3f} GiB")
+    for method in FUSED_HEAD_METHODS:
+        if method in methods:
+            head_bytes, positions = fused_head_bytes(shape.config(counts[0]), batch_shape, device, dtype,
+                                                     skip_arithmetic, method)
+            result[f"{method}_fused_head"] = {"peak_bytes": head_bytes, "positions": positions}
+            log(f"{shape.name} TRL's fused head alone at {method}'s {positions} positions: {head_bytes / GIB:.3f} GiB")
     peaks = result["peak_bytes"]
     result["bitune_over_lora"] = {
         setting: peaks[f"bitune{setting}"] / peaks[f"lora{setting}"] for setting in ("", "_checkpointing")
         if f"lora{setting}" in peaks and f"bitune{setting}" in peaks
     }
+    result["prompt_caches"] = {"bytes": prompt_caches_bytes(shape.config(), batch_shape, dtype),
+                               "per_layer_bytes": prompt_caches_bytes(shape.config(1), batch_shape, dtype)}
+    result["bitune_excess_over_lora"] = excess_over_lora(result)
     return result
 
 
@@ -283,32 +334,68 @@ def earlier_shapes(earlier: dict, report: dict, names: list[str]) -> dict:
 
 
 def table(report: dict) -> str:
-    """Peak GiB per shape and method, with and without checkpointing."""
+    """Peak GiB per shape and method, with and without checkpointing; then Bitune's excess over LoRA next to the
+    floor, the prompt passes' caches."""
     columns = [f"{m}{c}" for c in ("_checkpointing", "") for m in METHODS]
     lines = ["shape            " + " ".join(f"{c:>29}" for c in columns)]
     for name, shape in report["shapes"].items():
         cells = [f"{shape['peak_bytes'][c] / GIB:29.2f}" if c in shape["peak_bytes"] else f"{'-':>29}"
                  for c in columns]
         lines.append(f"{name:16} " + " ".join(cells))
+    for name, shape in report["shapes"].items():
+        for setting, cell in shape.get("bitune_excess_over_lora", {}).items():
+            line = (f"{name} {'with' if setting else 'without'} checkpointing: Bitune - LoRA "
+                    f"{cell['bytes'] / GIB:.2f} GiB")
+            if "without_heads_bytes" in cell:
+                line += f" ({cell['without_heads_bytes'] / GIB:.2f} GiB with each fused head taken out)"
+            if "per_layer_bytes" in cell:
+                line += (f", {cell['per_layer_bytes'] / MIB:.1f} MiB per layer against a floor of "
+                         f"{cell['floor_per_layer_bytes'] / MIB:.1f}")
+            lines.append(line + f"; floor (the prompt passes' caches) {cell['floor_bytes'] / GIB:.2f} GiB")
     return "\n".join(lines)
+
+
+def depth_words(shape: dict) -> str:
+    return (f"{', '.join(map(str, shape['measured_layers']))} of {shape['num_hidden_layers']}, extrapolated"
+            if shape["extrapolated"] else f"all {shape['num_hidden_layers']}")
 
 
 def markdown(report: dict) -> str:
     """docs/training.md's table: peak GiB per shape, with and without checkpointing, Bitune over LoRA (TRL), and TRL's
-    fused head alone on the device measured."""
+    fused head alone on the device measured, at LoRA's and at Bitune's positions."""
     lines = ["| Model (decoder layers measured) | checkpointing | LoRA, TRL's loss | LoRA, transformers' loss "
-             "| Bitune | Bitune / LoRA (TRL) | TRL's head alone |", "| --- | --- |" + " ---: |" * 5]
+             "| Bitune, TRL's loss | Bitune / LoRA (TRL) | TRL's head alone, LoRA / Bitune |",
+             "| --- | --- |" + " ---: |" * 5]
     for name, shape in report["shapes"].items():
-        depth = (f"{', '.join(map(str, shape['measured_layers']))} of {shape['num_hidden_layers']}, extrapolated"
-                 if shape["extrapolated"] else f"all {shape['num_hidden_layers']}")
-        head = shape.get("lora_fused_head")
+        heads = [shape.get(f"{method}_fused_head") for method in FUSED_HEAD_METHODS]
         for setting, words in (("_checkpointing", "yes"), ("", "no")):
             cells = [f"{shape['peak_bytes'][key] / GIB:.2f}" if key in shape["peak_bytes"] else "over the cap"
                      for key in (f"{method}{setting}" for method in METHODS)]
             ratio = shape["bitune_over_lora"].get(setting)
             cells += [f"{ratio:.2f}" if ratio is not None else "-",
-                      f"{head['peak_bytes'] / GIB:.2f}" if head else "-"]
-            lines.append(f"| {name} ({depth}) | {words} | " + " | ".join(cells) + " |")
+                      " / ".join(f"{head['peak_bytes'] / GIB:.2f}" if head else "-" for head in heads)]
+            lines.append(f"| {name} ({depth_words(shape)}) | {words} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def excess_markdown(report: dict) -> str:
+    """docs/training.md's second table: Bitune's peak minus LoRA's next to its floor, the keys and values of both
+    prompt passes (`prompt_caches_bytes`), in all and per decoder layer."""
+    lines = ["| Model (decoder layers measured) | checkpointing | Bitune - LoRA, GiB | the same, heads taken out "
+             "| Bitune / LoRA, heads taken out | floor: prompt caches, GiB | Bitune - LoRA per layer, MiB "
+             "| floor per layer, MiB |", "| --- | --- |" + " ---: |" * 6]
+    for name, shape in report["shapes"].items():
+        for setting, words in (("_checkpointing", "yes"), ("", "no")):
+            cell = shape.get("bitune_excess_over_lora", {}).get(setting)
+            if cell is None:
+                continue
+            cells = [f"{cell['bytes'] / GIB:.2f}",
+                     f"{cell['without_heads_bytes'] / GIB:.2f}" if "without_heads_bytes" in cell else "-",
+                     f"{cell['without_heads_ratio']:.2f}" if "without_heads_ratio" in cell else "-",
+                     f"{cell['floor_bytes'] / GIB:.2f}",
+                     f"{cell['per_layer_bytes'] / MIB:.1f}" if "per_layer_bytes" in cell else "-",
+                     f"{cell['floor_per_layer_bytes'] / MIB:.1f}" if "per_layer_bytes" in cell else "-"]
+            lines.append(f"| {name} ({depth_words(shape)}) | {words} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -183,6 +183,35 @@ def test_per_layer_extrapolation_reaches_the_peak_measured_at_full_depth():
         assert result["per_layer_bytes"][key] == measured["2"] - measured["1"]
     assert result["bitune_over_lora"]["_checkpointing"] == (
         result["peak_bytes"]["bitune_checkpointing"] / result["peak_bytes"]["lora_checkpointing"])
+    excess = result["bitune_excess_over_lora"]["_checkpointing"]
+    assert excess["per_layer_bytes"] == (result["per_layer_bytes"]["bitune_checkpointing"]
+                                         - result["per_layer_bytes"]["lora_checkpointing"])
+    assert excess["floor_per_layer_bytes"] * 2 == excess["floor_bytes"] == result["prompt_caches"]["bytes"]
+
+
+def test_the_floor_is_what_the_prompt_passes_record(monkeypatch):
+    """`prompt_caches_bytes` is derived from the config; here it is counted: the bytes of every key and value tensor
+    the prompt passes of a Bitune step record, on a grouped-query Llama and a multi-query Gemma."""
+    from peft_bitune.caches import PassCacheLayer
+
+    recorded = []
+    update = PassCacheLayer.update
+
+    def counting_update(self, key_states, value_states, *args, **kwargs):
+        if self.record:
+            recorded.append(key_states.nbytes + value_states.nbytes)
+        return update(self, key_states, value_states, *args, **kwargs)
+
+    monkeypatch.setattr(PassCacheLayer, "update", counting_update)
+    for name, batch_shape in (("tiny-llama", (2, 8, 4)), ("tiny-gemma", (3, 6, 2))):
+        config = TINY_SHAPES[name].config()
+        model = training_memory.prepared_model(training_memory.base_model(config, CPU, torch.bfloat16, True),
+                                               "bitune", checkpointing=False)
+        recorded.clear()
+        with torch.no_grad():
+            model(**training_batch(*batch_shape, config.vocab_size, CPU), fused_lm_head=True)
+        assert len(recorded) == 2 * config.num_hidden_layers  # both prompt passes, every layer; not the answer pass
+        assert sum(recorded) == training_memory.prompt_caches_bytes(config, batch_shape, torch.bfloat16) > 0
 
 
 def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, capsys):
@@ -196,6 +225,19 @@ def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, c
     head = shape["lora_fused_head"]  # on a CPU, TRL's head scores every position (no Triton): part of LoRA's step
     assert head["positions"] == 2 * (8 + 4 - 1)
     assert 0 < head["peak_bytes"] <= shape["peak_bytes"]["lora"]
+    head = shape["bitune_fused_head"]  # Bitune hands it its answer chunks: x_m and the answer
+    assert head["positions"] == 2 * (4 + 1)
+    assert 0 < head["peak_bytes"] <= shape["peak_bytes"]["bitune"]
+    floor = shape["prompt_caches"]  # tiny-gemma: 2 layers, 1 key/value head of 16; both passes read 7 tokens
+    assert floor == {"bytes": 2 * 2 * 2 * 2 * 1 * 7 * 16 * 2, "per_layer_bytes": 2 * 2 * 2 * 1 * 7 * 16 * 2}
+    for setting in ("", "_checkpointing"):
+        cell = shape["bitune_excess_over_lora"][setting]
+        peaks = shape["peak_bytes"]
+        assert cell["bytes"] == peaks[f"bitune{setting}"] - peaks[f"lora{setting}"]
+        assert cell["floor_bytes"] == floor["bytes"] and "per_layer_bytes" not in cell  # measured at full depth
+        heads = shape["bitune_fused_head"]["peak_bytes"] - shape["lora_fused_head"]["peak_bytes"]
+        assert cell["without_heads_bytes"] == cell["bytes"] - heads
+    assert "floor (the prompt passes' caches)" in capsys.readouterr().out
     for argv, words in ((["--layers", "2", "2"], "two different layer counts"),
                         (["--prompt", "1"], "--prompt at least 2"),
                         (["--json", str(tmp_path / "missing" / "m.json")], "does not exist")):
@@ -232,6 +274,7 @@ def test_training_docs_hold_the_committed_memory_measurement():
     assert list(report["shapes"]) == [*training_memory.FULL_DEPTH, *training_memory.EXTRAPOLATED]
     assert report["settings"]["batch_size"] == 4 and report["settings"]["prompt_length"] == 512
     assert report["settings"]["answer_length"] == 256 and report["settings"]["dtype"] == "bfloat16"
-    assert all("lora_fused_head" in shape for shape in report["shapes"].values())
+    assert all("lora_fused_head" in shape and "bitune_fused_head" in shape for shape in report["shapes"].values())
     page = (BENCHMARKS.parent / "docs" / "training.md").read_text(encoding="utf-8")
     assert training_memory.markdown(report) in page
+    assert training_memory.excess_markdown(report) in page
