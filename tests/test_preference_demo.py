@@ -203,3 +203,15 @@ def test_the_docs_page_is_the_committed_report_of_the_committed_records():
     assert f"{report.PAGE_START}\n{report.markdown(committed)}{report.PAGE_END}" in page
     if not committed["complete"]:
         assert "**Runs in progress.**" in page
+
+
+def test_the_report_compares_the_sft_scores_with_the_paper_tasks_record_of_the_same_run(tmp_path):
+    report = load_example("report")
+    before = {"smoke": False, "fingerprints": {"scoring": "s1"}, "rows": {"piqa": "1100", "mmlu": "01"}}
+    name = "fp-lora-lr0.0015-seed0-sft-tests1.json"
+    assert report.paper_tasks_agreement(name, before, runs=tmp_path) is None  # the page has no such record
+    (tmp_path / "fp-lora-lr0.0015-seed0-tests1.json").write_text(json.dumps({"rows": {"piqa": "1000", "mmlu": "00"}}))
+    assert report.paper_tasks_agreement(name, before, runs=tmp_path) == 2
+    assert report.paper_tasks_agreement(name, {**before, "smoke": True}, runs=tmp_path) is None
+    (tmp_path / "fp-lora-lr0.0015-seed0-tests1.json").write_text(json.dumps({"rows": {"piqa": "100", "mmlu": "00"}}))
+    assert report.paper_tasks_agreement(name, before, runs=tmp_path) is None  # other test rows: not comparable

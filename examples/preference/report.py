@@ -22,6 +22,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPOSITORY = HERE.parents[1]
 RECORDS = REPOSITORY / "docs" / "results" / "preference_runs" / "smollm2"
+PAPER_RUNS = REPOSITORY / "docs" / "results" / "paper_tasks_runs" / "smollm2"
 STAGES = ("sft", "before", "dpo", "after")
 METHODS = ("bitune", "lora")
 TITLES = {"bitune": "Bitune", "lora": "LoRA"}
@@ -86,6 +87,21 @@ def accuracy(record: dict) -> dict[str, float]:
     return values
 
 
+def paper_tasks_agreement(name: str, before: dict, runs: Path = PAPER_RUNS) -> int | None:
+    """How many test rows' outcomes of the SFT adapter differ from those of the paper-tasks page's own run of the same
+    adapter (same fingerprints, method, rate and seed), when that page has its test record; None otherwise."""
+    suffix = f"-sft-test{before['fingerprints']['scoring']}.json"
+    if before["smoke"] or not name.endswith(suffix):
+        return None
+    path = runs / (name[: -len(suffix)] + f"-test{before['fingerprints']['scoring']}.json")
+    if not path.is_file():
+        return None
+    page = json.loads(path.read_text())["rows"]
+    if {task: len(rows) for task, rows in page.items()} != {task: len(rows) for task, rows in before["rows"].items()}:
+        return None
+    return sum(a != b for task, rows in before["rows"].items() for a, b in zip(rows, page[task]))
+
+
 def build(directory: Path) -> dict:
     found = read_records(directory)
     if not found:
@@ -115,6 +131,10 @@ def build(directory: Path) -> dict:
             if stage in stages:
                 entry[stage] = {"accuracy": accuracy(stages[stage]), "rows": stages[stage]["rows"],
                                 "test_seconds": stages[stage]["test_seconds"]}
+        if "before" in stages:
+            agreement = paper_tasks_agreement(found[method]["before"][0], stages["before"])
+            if agreement is not None:
+                entry["before"]["paper_tasks_rows_differing"] = agreement
         if "before" in stages and "after" in stages:
             if {t: len(r) for t, r in stages["before"]["rows"].items()} != {
                     t: len(r) for t, r in stages["after"]["rows"].items()}:
@@ -192,6 +212,13 @@ def markdown(report: dict) -> str:
             f"{TITLES[m]} first-step loss {dpo['first_step_loss']:.4f} (ln 2 = 0.6931), mean loss over the run "
             f"{dpo['train_loss']:.4f}, {dpo['seconds'] / 60:.1f} min with its evaluations"
             for m, dpo in curves.items()) + ".")
+        lines.append("")
+    agreement = {method: entry["before"]["paper_tasks_rows_differing"] for method, entry in report["methods"].items()
+                 if "paper_tasks_rows_differing" in entry.get("before", {})}
+    if agreement:
+        lines.append("Against the paper-tasks page's own test record of the same SFT run: " + "; ".join(
+            f"{TITLES[m]} {n} of {sum(report['n_test'].values())} test rows differ" for m, n in agreement.items())
+            + ".")
         lines.append("")
     sft = {method: entry["sft"] for method, entry in report["methods"].items() if "sft" in entry}
     if sft:
