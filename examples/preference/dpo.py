@@ -199,6 +199,21 @@ class FirstLossIsLn2(TrainerCallback):
                                "reference is not the policy as training starts. Stopped before training on.")
 
 
+class Progress(TrainerCallback):
+    """A line in the log every `every` steps and at each evaluation, so that a long run can be followed."""
+
+    def __init__(self, method: str, log, every: int = 10) -> None:
+        self.method, self.log, self.every = method, log, every
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "eval_rewards/accuracies" in logs:
+            self.log(f"{self.method} DPO step {state.global_step}: held-out reward accuracy "
+                     f"{logs['eval_rewards/accuracies']:.3f}, margin {logs['eval_rewards/margins']:.4f}")
+        elif "loss" in logs and state.global_step % self.every == 0:
+            self.log(f"{self.method} DPO step {state.global_step}/{state.max_steps}: loss {logs['loss']:.4f}")
+
+
 def train_dpo(method: str, sft_adapter: Path, dpo: DPOSettings, settings, pairs: datasets.Dataset,
               held_out: datasets.Dataset, tokenizer, log=print) -> tuple[PeftModel, dict]:
     """The SFT adapter, loaded trainable, trained with DPO; the model and the run's record."""
@@ -221,7 +236,7 @@ def train_dpo(method: str, sft_adapter: Path, dpo: DPOSettings, settings, pairs:
         trainer_class = BituneDPOTrainer if is_bitune else DPOTrainer
         trainer = trainer_class(model=model, ref_model=None, args=config, train_dataset=pairs.remove_columns("task"),
                                 eval_dataset=held_out.remove_columns("task"), processing_class=tokenizer,
-                                callbacks=[FirstLossIsLn2()])
+                                callbacks=[FirstLossIsLn2(), Progress(method, log)])
         trainer.remove_callback(PrinterCallback)
         started = time.time()
         result = trainer.train()
