@@ -104,7 +104,9 @@ def test_the_qlora_comparison_runs_bitune_over_a_4bit_base_and_serves_it_on_the_
     qlora = load_example("smollm2/qlora")
     result = qlora.one_run("bitune-4bit", steps=1, evaluate=True, folder=str(tiny_folder))
     assert result["run"] == "bitune-4bit" and result["steps"] == 1
-    assert result["peak_rss_training_mib"] >= result["rss_after_loading_mib"] > 0
+    # The high-water mark restarts from the resident memory at its reset, just after the "after loading" reading:
+    # pages returned to the system in between (measured: 1 MiB, in 1 run of CI's) can put the peak that far below it.
+    assert result["peak_rss_training_mib"] >= result["rss_after_loading_mib"] - 2 > 0
     for base in ("on_4bit_base", "on_float_base"):
         held_out = result[base]
         assert held_out["answer_tokens"] > 0 and held_out["answer_loss"] > 0
