@@ -4,8 +4,9 @@ three explicit passes with transformers' own DynamicCache, mixing by hand."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import IA3Config, LoraConfig, get_peft_model
 from torch.nn import functional as F
 from transformers import DynamicCache
 
@@ -13,6 +14,13 @@ from peft_bitune import BituneConfig, compat
 
 # The small batch the batched forward is checked on against the per-row reference (tests and benchmarks/gpu_check.py):
 # a one-token prompt, short and longer ones, answers of different lengths, so that left or right padding shows.
+
+# The inner methods other than plain LoRA that the docs list, with random (non-trivial) starting weights.
+OTHER_INNER_METHODS = [
+    pytest.param(LoraConfig(r=4, target_modules="all-linear", use_dora=True, init_lora_weights=False), id="dora"),
+    pytest.param(IA3Config(target_modules=["q_proj", "k_proj", "v_proj", "down_proj"],
+                           feedforward_modules=["down_proj"], init_ia3_weights=False), id="ia3"),
+]
 
 
 def make_bitune(base, adapter_config=None, seed: int = 0, **config_kwargs):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import IA3Config, LoraConfig
 
 from peft_bitune import compat
 from precision import Tolerance, float32_sums, roundings
 from reference import (
+    OTHER_INNER_METHODS,
     PROMPT_LENGTHS,
     alphas,
     answer_logits,
@@ -57,15 +57,7 @@ def test_batched_forward_matches_per_row_reference(load_base, arch, attn_impleme
     assert_matches_reference(model, padding_side)
 
 
-@pytest.mark.parametrize(
-    "adapter_config",
-    [
-        LoraConfig(r=4, target_modules="all-linear", use_dora=True, init_lora_weights=False),
-        IA3Config(target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
-                  init_ia3_weights=False),
-    ],
-    ids=["dora", "ia3"],
-)
+@pytest.mark.parametrize("adapter_config", OTHER_INNER_METHODS)
 def test_other_peft_methods_match_reference(load_base, adapter_config):
     model = make_bitune(load_base("llama"), adapter_config=adapter_config)
     model.train()

@@ -49,7 +49,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 from bitsandbytes_support import why_bitsandbytes_cannot_run
 from peft_bitune import BituneConfig, compat
 from precision import assert_same_greedy_tokens_up_to_a_tie, float32_sums, roundings
-from reference import left_padded, make_bitune, reference_greedy_steps
+from reference import OTHER_INNER_METHODS, left_padded, make_bitune, reference_greedy_steps
 from test_forward import assert_matches_reference, make_batch, trainable_grads
 from test_generate import GREEDY, generated, prompts
 from tiny_models import VOCAB
@@ -116,15 +116,7 @@ def test_training_forward_and_gradients_match_the_reference_on_the_quantized_bas
     assert any("default__bidirectional" in name for name in grads) and any("default__causal" in name for name in grads)
 
 
-@pytest.mark.parametrize(
-    "adapter_config",
-    [
-        LoraConfig(r=4, target_modules="all-linear", use_dora=True, init_lora_weights=False),
-        IA3Config(target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
-                  init_ia3_weights=False),
-    ],
-    ids=["dora", "ia3"],
-)
+@pytest.mark.parametrize("adapter_config", OTHER_INNER_METHODS)
 def test_dora_and_ia3_match_the_reference_on_a_4bit_base(saved_models, adapter_config):
     model = quantized_bitune(saved_models, "llama", "nf4", adapter_config=adapter_config)
     model.train()

@@ -11,14 +11,14 @@ import datasets
 import pytest
 import torch
 from datasets import Dataset
-from peft import IA3Config, LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 from trl import DPOConfig, DPOTrainer, GRPOConfig, KTOConfig, RLOOConfig
 from trl.trainer.utils import use_adapter
 
 import trl_helpers as helpers
 from peft_bitune import BituneConfig
-from reference import make_bitune, padded_batch
+from reference import OTHER_INNER_METHODS, make_bitune, padded_batch
 from tiny_models import VOCAB
 from trl_integration import BituneDPOTrainer, BituneGRPOTrainer, BituneKTOTrainer, BituneRLOOTrainer
 from trl_integration.policy_trainers import REFERENCE_ADAPTER, copy_policy_to_reference
@@ -123,15 +123,7 @@ def test_dpo_precomputed_reference_starts_at_ln2(tmp_path, trl_model_dir):
     assert logged(trainer, "loss")[0] == pytest.approx(math.log(2), abs=1e-5)
 
 
-@pytest.mark.parametrize(
-    "adapter_config",
-    [
-        LoraConfig(r=4, target_modules="all-linear", use_dora=True, init_lora_weights=False),
-        IA3Config(target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
-                  init_ia3_weights=False),
-    ],
-    ids=["dora", "ia3"],
-)
+@pytest.mark.parametrize("adapter_config", OTHER_INNER_METHODS)
 def test_the_reference_copy_is_exact_for_every_inner_method(load_base, adapter_config):
     model = make_bitune(load_base("llama"), adapter_config=adapter_config).eval()
     _, batch, _ = padded_batch("left", VOCAB)
