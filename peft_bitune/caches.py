@@ -9,6 +9,7 @@ Each pass reads the keys/values built so far and may record its own. Two propert
   overwrite what the first run wrote instead of appending it a second time.
 
 Both are one layer class, `PassCacheLayer`: an optional fixed prefix, plus an optional record of the last chunk.
+In training the prefix of the answer pass may be a `PendingMix`, the mix of two records computed where it is read.
 A prompt pass feeds nothing but its keys/values, so once the last layer has recorded them the pass may end there (see
 `early_stop.py`). In training it holds every position and is never a sliding-window layer; sliding-window models still
 get their window, because transformers builds the sliding mask from the config over absolute positions. Over a
@@ -18,6 +19,7 @@ generation cache it mirrors each layer (window and offset) instead.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
@@ -35,8 +37,8 @@ class PassCacheLayer(CacheLayerMixin):
     Tensors are `[batch_size, num_kv_heads, seq_len, head_dim]`.
 
     Args:
-        prefix_keys, prefix_values (`torch.Tensor`, *optional*): keys/values every query of the pass may attend to
-            before its own chunk (the mixed prompt cache in the answer pass). `None` for no prefix.
+        prefix_keys, prefix_values (`torch.Tensor` or `PendingMix`, *optional*): keys/values every query of the pass
+            may attend to before its own chunk (the mixed prompt cache in the answer pass). `None` for no prefix.
         record (`bool`): whether `update` keeps the chunk it is given (the prompt passes do, the answer pass does not).
         offset (`int`): positions seen before the prefix (a sliding-window layer of a generation cache keeps only its
             window); the mask is built over absolute positions.
@@ -50,8 +52,8 @@ class PassCacheLayer(CacheLayerMixin):
 
     def __init__(
         self,
-        prefix_keys: torch.Tensor | None = None,
-        prefix_values: torch.Tensor | None = None,
+        prefix_keys: torch.Tensor | PendingMix | None = None,
+        prefix_values: torch.Tensor | PendingMix | None = None,
         record: bool = False,
         offset: int = 0,
         is_sliding: bool = False,
@@ -85,9 +87,14 @@ class PassCacheLayer(CacheLayerMixin):
                 raise PromptPassComplete
         if self.prefix_keys is None:
             return key_states, value_states
-        keys = torch.cat([self.prefix_keys, key_states], dim=-2)
-        values = torch.cat([self.prefix_values, value_states], dim=-2)
+        keys = torch.cat([computed(self.prefix_keys), key_states], dim=-2)
+        values = torch.cat([computed(self.prefix_values), value_states], dim=-2)
         return keys, values
+
+    def forget_record(self) -> None:
+        """Drop the recorded chunk and record no more (`mix_recorded` has taken it over)."""
+        self.recorded_keys = self.recorded_values = None
+        self.record = self.stop_after_record = False
 
     def _prefix_length(self) -> int:
         return 0 if self.prefix_keys is None else self.prefix_keys.shape[-2]
@@ -105,8 +112,8 @@ class PassCacheLayer(CacheLayerMixin):
 
 def pass_cache(
     num_layers: int,
-    keys: list[torch.Tensor] | None = None,
-    values: list[torch.Tensor] | None = None,
+    keys: list[torch.Tensor | PendingMix] | None = None,
+    values: list[torch.Tensor | PendingMix] | None = None,
     record: bool = False,
     stop_after_last_record: bool = False,
 ) -> Cache:
@@ -232,18 +239,56 @@ def recorded_key_values(cache: Cache) -> tuple[list[torch.Tensor], list[torch.Te
     return [layer.recorded_keys for layer in layers], [layer.recorded_values for layer in layers]
 
 
+@dataclass(frozen=True, eq=False)
+class PendingMix:
+    """
+    One layer's mix of the two prompt passes' keys (or values), computed where it is read: `mix_key_values` of the
+    three, to the bit.
+
+    In training the answer pass reads it inside its own decoder layer. Under activation checkpointing that layer then
+    recomputes the mix in the backward pass instead of holding it, so a step keeps the two prompt records but not
+    their mix as well (half as much again, per layer: docs/training.md, Memory).
+    """
+
+    causal: torch.Tensor
+    bidirectional: torch.Tensor
+    alpha: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.causal.shape
+
+    def compute(self) -> torch.Tensor:
+        return mix_key_values(self.causal, self.bidirectional, self.alpha)
+
+
+def computed(tensor: torch.Tensor | PendingMix) -> torch.Tensor:
+    """The tensor itself, or the mix a `PendingMix` stands for."""
+    return tensor.compute() if isinstance(tensor, PendingMix) else tensor
+
+
 def mix_recorded(
-    causal: Cache, bidirectional: Cache, mixer: BituneKVMixer
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Mix two recorded prompt passes layer by layer; returns the mixed keys and values. A layer the mixer leaves
-    out (`BituneConfig.mixed_layers`) keeps the causal pass's keys and values as they are."""
+    causal: Cache, bidirectional: Cache, mixer: BituneKVMixer, pending: bool = False
+) -> tuple[list[torch.Tensor | PendingMix], list[torch.Tensor | PendingMix]]:
+    """
+    Mix two recorded prompt passes layer by layer; returns the mixed keys and values, or with `pending` each mix as a
+    `PendingMix`. A layer the mixer leaves out (`BituneConfig.mixed_layers`) keeps the causal pass's keys and values
+    as they are.
+
+    The records are handed over: both pass caches forget them, and record nothing more (a checkpointed layer's
+    recomputation in the backward pass writes to the cache again). Once the mix's backward has run, nothing holds
+    them, while the prompt passes' own backward still has layers to go.
+    """
     key_alpha, value_alpha = mixer.coefficients()
     causal_keys, causal_values = recorded_key_values(causal)
     bidirectional_keys, bidirectional_values = recorded_key_values(bidirectional)
+    for layer in (*causal.layers, *bidirectional.layers):
+        layer.forget_record()
 
     def mix(causal_tensors: list[torch.Tensor], bidirectional_tensors: list[torch.Tensor], alphas: torch.Tensor):
-        return [mix_key_values(c, b, alpha) if mixed else c
-                for c, b, alpha, mixed in zip(causal_tensors, bidirectional_tensors, alphas, mixer.mixed)]
+        mixes = [PendingMix(c, b, alpha) if mixed else c
+                 for c, b, alpha, mixed in zip(causal_tensors, bidirectional_tensors, alphas, mixer.mixed)]
+        return mixes if pending else [computed(tensor) for tensor in mixes]
 
     return mix(causal_keys, bidirectional_keys, key_alpha), mix(causal_values, bidirectional_values, value_alpha)
 

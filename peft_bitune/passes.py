@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from transformers.cache_utils import Cache
 
 from . import compat
-from .caches import mix_recorded, pass_cache, recorded_key_values
+from .caches import PendingMix, computed, mix_recorded, pass_cache, recorded_key_values
 from .common import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, SecondPassAttention, WeightSet, num_layers
 from .early_stop import ending_at_complete_record
 from .layout import Chunk, ConversationLayout, Turn
@@ -33,6 +33,7 @@ from .mixing import BituneKVMixer, at_least_float32
 from .sharding import LayerPath, unshard_before_backward
 
 KeyValues = tuple[list[torch.Tensor], list[torch.Tensor]]
+MixedKeyValues = tuple[list[torch.Tensor | PendingMix], list[torch.Tensor | PendingMix]]
 
 
 @dataclass(frozen=True)
@@ -84,23 +85,27 @@ class BitunePasses:
                 cache = TrainingCache.extend(cache, *recorded, turn.answer.mask)
         return outputs
 
-    def mixed_prefill(self, chunk: Chunk, sequence: torch.Tensor, cache: TrainingCache | None) -> KeyValues:
-        """Steps 1-3 for one instruction segment: both prompt passes over its chunk, then the per-layer mix."""
+    def mixed_prefill(self, chunk: Chunk, sequence: torch.Tensor, cache: TrainingCache | None) -> MixedKeyValues:
+        """Steps 1-3 for one instruction segment: both prompt passes over its chunk, then the per-layer mix, left
+        pending: the answer pass computes it inside its decoder layers (see `caches.PendingMix`)."""
         return self.read_twice(
             lambda: _pass_cache(cache, self.model, record=True, stop_after_last_record=self.stop_early),
+            pending=True,
             **chunk.pass_inputs(sequence, None if cache is None else cache.mask),
         )
 
-    def read_twice(self, recording_cache: Callable[[], Cache], **inputs: torch.Tensor) -> KeyValues:
+    def read_twice(
+        self, recording_cache: Callable[[], Cache], pending: bool = False, **inputs: torch.Tensor
+    ) -> MixedKeyValues:
         """Steps 1-3, for training and generation alike: the bidirectional then the causal prompt pass over `inputs`,
-        each recording into a fresh `recording_cache()`; returns the per-layer mix (keys, values) of the two
-        records."""
+        each recording into a fresh `recording_cache()`; returns the per-layer mix (keys, values) of the two records,
+        as `PendingMix`es if `pending`."""
         recorded = {}
         for weight_set in (BIDIRECTIONAL, CAUSAL):
             recorded[weight_set] = recording_cache()
             self.prompt_pass(weight_set, recorded[weight_set], **inputs)
             self._gather_shards_for_recorded(recorded[weight_set])
-        return mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer)
+        return mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer, pending=pending)
 
     def prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: Any) -> Any:
         """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used; a
@@ -171,26 +176,32 @@ def answer_loss(
 @dataclass
 class TrainingCache:
     """
-    The keys/values a training batch has built so far: one tensor per layer, with its mask.
+    The keys/values a training batch has built so far: one tensor per layer (or the `PendingMix` of its first
+    instruction), with its mask.
 
     It is kept left-padded (each row's real positions at the right end), so that the next chunk, right-padded, gives
     each row one contiguous run of real tokens: all that transformers' mask machinery needs (see `layout.py`).
     """
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: list[torch.Tensor | PendingMix]
+    values: list[torch.Tensor | PendingMix]
     mask: torch.Tensor
 
     @classmethod
     def extend(
-        cls, cache: TrainingCache | None, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor
+        cls,
+        cache: TrainingCache | None,
+        keys: list[torch.Tensor | PendingMix],
+        values: list[torch.Tensor | PendingMix],
+        mask: torch.Tensor,
     ) -> TrainingCache:
-        """Append a chunk; a right-padded chunk after a cache is padded to the left again (a gather per layer)."""
+        """Append a chunk; a right-padded chunk after a cache is padded to the left again (a gather per layer). A
+        pending mix is computed once it is joined to a later turn: only the first instruction's stays pending."""
         if cache is None:
             return cls(keys, values, mask)
         mask = torch.cat([cache.mask, mask], dim=1)
-        keys = [torch.cat([old, new], dim=-2) for old, new in zip(cache.keys, keys)]
-        values = [torch.cat([old, new], dim=-2) for old, new in zip(cache.values, values)]
+        keys = [torch.cat([computed(old), computed(new)], dim=-2) for old, new in zip(cache.keys, keys)]
+        values = [torch.cat([computed(old), computed(new)], dim=-2) for old, new in zip(cache.values, values)]
         repadded = repad_left(mask, *keys, *values)
         count = len(keys)
         return cls(list(repadded[1 : 1 + count]), list(repadded[1 + count :]), repadded[0])
