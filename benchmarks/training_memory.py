@@ -25,7 +25,9 @@ measured: on a CPU it is most of each step's peak with checkpointing, and scores
 LoRA as for Bitune at P=512, A=256, while on a GPU both score the A answer positions of each row. So each shape also
 gives `bitune_excess_over_lora`: Bitune's peak minus LoRA's, in all, with each method's head taken out of its peak
 (closer to what a GPU shows), and per decoder layer where extrapolated, next to its floor `prompt_caches`: the keys
-and values both prompt passes record, which the mix keeps for the backward pass (`prompt_caches_bytes`).
+and values both prompt passes record, which the mix keeps for the backward pass (`prompt_caches_bytes`). With
+checkpointing, next to that floor plus `second_pass_inputs` as well: the input of each decoder layer to the second
+prompt pass, which checkpointing keeps to recompute the layer from (`second_pass_inputs_bytes`).
 
 Shapes too deep for the machine are built at full width with `--layers` decoder layers (1 and 2 by default) and
 extrapolated linearly to their full depth: every decoder layer adds the same activations, so the peak is
@@ -151,18 +153,31 @@ def prompt_caches_bytes(config, batch_shape: tuple[int, int, int], dtype: torch.
             * torch.finfo(dtype).bits // 8)
 
 
+def second_pass_inputs_bytes(config, batch_shape: tuple[int, int, int], dtype: torch.dtype) -> int:
+    """What checkpointing a second pass over the prompt keeps beyond LoRA's one pass: each decoder layer's input to
+    the bidirectional prompt pass, to recompute the layer from (LoRA's one pass over P + A positions matches Bitune's
+    causal prompt pass and answer pass): layers x batch x (P - 1) x hidden size x bytes."""
+    text_config = config.get_text_config()
+    batch_size, prompt, _ = batch_shape
+    return (text_config.num_hidden_layers * batch_size * (prompt - 1) * text_config.hidden_size
+            * torch.finfo(dtype).bits // 8)
+
+
 def excess_over_lora(result: dict, settings: tuple[str, ...] = ("_checkpointing", "")) -> dict:
-    """Bitune's peak minus LoRA's per setting, next to the floor (`prompt_caches_bytes`): in all, per decoder layer
+    """Bitune's peak minus LoRA's per setting, next to the floor (`prompt_caches_bytes`) and, with checkpointing, the
+    floor plus the second prompt pass's checkpointed inputs (`second_pass_inputs_bytes`): in all, per decoder layer
     where extrapolated (the difference of their per-layer slopes), and with each method's fused head (measured alone,
     `*_fused_head`) taken out of its peak, which is what differs most between a CPU and a GPU."""
     peaks, per_layer = result["peak_bytes"], result.get("per_layer_bytes", {})
-    floor = result["prompt_caches"]
+    floor, second_pass = result["prompt_caches"], result["second_pass_inputs"]
     excess = {}
     for setting in settings:
         bitune, lora = f"bitune{setting}", f"lora{setting}"
         if bitune not in peaks or lora not in peaks:
             continue
         cell = {"bytes": peaks[bitune] - peaks[lora], "floor_bytes": floor["bytes"]}
+        if setting == "_checkpointing":
+            cell["checkpointed_floor_bytes"] = floor["bytes"] + second_pass["bytes"]
         if "bitune_fused_head" in result and "lora_fused_head" in result:
             heads = result["bitune_fused_head"]["peak_bytes"] - result["lora_fused_head"]["peak_bytes"]
             cell["without_heads_bytes"] = cell["bytes"] - heads
@@ -171,6 +186,8 @@ def excess_over_lora(result: dict, settings: tuple[str, ...] = ("_checkpointing"
         if bitune in per_layer and lora in per_layer:
             cell["per_layer_bytes"] = per_layer[bitune] - per_layer[lora]
             cell["floor_per_layer_bytes"] = floor["per_layer_bytes"]
+            if setting == "_checkpointing":
+                cell["checkpointed_floor_per_layer_bytes"] = floor["per_layer_bytes"] + second_pass["per_layer_bytes"]
         excess[setting] = cell
     return excess
 
@@ -251,6 +268,8 @@ def measure_shape(shape: RealShape, layer_counts: list[int] | None, batch_shape:
     }
     result["prompt_caches"] = {"bytes": prompt_caches_bytes(shape.config(), batch_shape, dtype),
                                "per_layer_bytes": prompt_caches_bytes(shape.config(1), batch_shape, dtype)}
+    result["second_pass_inputs"] = {"bytes": second_pass_inputs_bytes(shape.config(), batch_shape, dtype),
+                                    "per_layer_bytes": second_pass_inputs_bytes(shape.config(1), batch_shape, dtype)}
     result["bitune_excess_over_lora"] = excess_over_lora(result)
     return result
 
@@ -335,7 +354,7 @@ def earlier_shapes(earlier: dict, report: dict, names: list[str]) -> dict:
 
 def table(report: dict) -> str:
     """Peak GiB per shape and method, with and without checkpointing; then Bitune's excess over LoRA next to the
-    floor, the prompt passes' caches."""
+    floor, the prompt passes' caches (and with checkpointing, next to the floor plus the second pass's inputs)."""
     columns = [f"{m}{c}" for c in ("_checkpointing", "") for m in METHODS]
     lines = ["shape            " + " ".join(f"{c:>29}" for c in columns)]
     for name, shape in report["shapes"].items():
@@ -351,7 +370,12 @@ def table(report: dict) -> str:
             if "per_layer_bytes" in cell:
                 line += (f", {cell['per_layer_bytes'] / MIB:.1f} MiB per layer against a floor of "
                          f"{cell['floor_per_layer_bytes'] / MIB:.1f}")
-            lines.append(line + f"; floor (the prompt passes' caches) {cell['floor_bytes'] / GIB:.2f} GiB")
+                if "checkpointed_floor_per_layer_bytes" in cell:
+                    line += f" ({cell['checkpointed_floor_per_layer_bytes'] / MIB:.1f} with the second pass's inputs)"
+            line += f"; floor (the prompt passes' caches) {cell['floor_bytes'] / GIB:.2f} GiB"
+            if "checkpointed_floor_bytes" in cell:
+                line += f", {cell['checkpointed_floor_bytes'] / GIB:.2f} GiB with the second pass's inputs"
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -380,10 +404,12 @@ def markdown(report: dict) -> str:
 
 def excess_markdown(report: dict) -> str:
     """docs/training.md's second table: Bitune's peak minus LoRA's next to its floor, the keys and values of both
-    prompt passes (`prompt_caches_bytes`), in all and per decoder layer."""
+    prompt passes (`prompt_caches_bytes`), and with checkpointing the floor plus the second prompt pass's
+    checkpointed inputs (`second_pass_inputs_bytes`), in all and per decoder layer."""
     lines = ["| Model (decoder layers measured) | checkpointing | Bitune - LoRA, GiB | the same, heads taken out "
-             "| Bitune / LoRA, heads taken out | floor: prompt caches, GiB | Bitune - LoRA per layer, MiB "
-             "| floor per layer, MiB |", "| --- | --- |" + " ---: |" * 6]
+             "| Bitune / LoRA, heads taken out | floor: prompt caches, GiB | floor + second pass's inputs, GiB "
+             "| Bitune - LoRA per layer, MiB | floor per layer, MiB | floor + second pass's inputs per layer, MiB |",
+             "| --- | --- |" + " ---: |" * 8]
     for name, shape in report["shapes"].items():
         for setting, words in (("_checkpointing", "yes"), ("", "no")):
             cell = shape.get("bitune_excess_over_lora", {}).get(setting)
@@ -393,8 +419,11 @@ def excess_markdown(report: dict) -> str:
                      f"{cell['without_heads_bytes'] / GIB:.2f}" if "without_heads_bytes" in cell else "-",
                      f"{cell['without_heads_ratio']:.2f}" if "without_heads_ratio" in cell else "-",
                      f"{cell['floor_bytes'] / GIB:.2f}",
+                     f"{cell['checkpointed_floor_bytes'] / GIB:.2f}" if "checkpointed_floor_bytes" in cell else "-",
                      f"{cell['per_layer_bytes'] / MIB:.1f}" if "per_layer_bytes" in cell else "-",
-                     f"{cell['floor_per_layer_bytes'] / MIB:.1f}" if "per_layer_bytes" in cell else "-"]
+                     f"{cell['floor_per_layer_bytes'] / MIB:.1f}" if "per_layer_bytes" in cell else "-",
+                     f"{cell['checkpointed_floor_per_layer_bytes'] / MIB:.1f}"
+                     if "checkpointed_floor_per_layer_bytes" in cell else "-"]
             lines.append(f"| {name} ({depth_words(shape)}) | {words} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

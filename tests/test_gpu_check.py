@@ -214,6 +214,40 @@ def test_the_floor_is_what_the_prompt_passes_record(monkeypatch):
         assert sum(recorded) == training_memory.prompt_caches_bytes(config, batch_shape, torch.bfloat16) > 0
 
 
+def test_the_second_pass_inputs_are_what_checkpointing_keeps_of_the_bidirectional_pass():
+    """`second_pass_inputs_bytes` is derived from the config; here it is counted: the bytes of every decoder layer's
+    input to the bidirectional prompt pass (the first pass of a step), which a checkpointed layer keeps."""
+    for name, batch_shape in (("tiny-llama", (2, 8, 4)), ("tiny-gemma", (3, 6, 2))):
+        config = TINY_SHAPES[name].config()
+        model = training_memory.prepared_model(training_memory.base_model(config, CPU, torch.bfloat16, True),
+                                               "bitune", checkpointing=False)
+        inputs = []
+        layers = model.base_model.model.model.layers
+        handles = [layer.register_forward_pre_hook(lambda module, args, kwargs: inputs.append(
+            (args[0] if args else kwargs["hidden_states"]).nbytes), with_kwargs=True) for layer in layers]
+        with torch.no_grad():
+            model(**training_batch(*batch_shape, config.vocab_size, CPU), fused_lm_head=True)
+        for handle in handles:
+            handle.remove()
+        assert len(inputs) == 3 * config.num_hidden_layers  # bidirectional, causal and answer pass, every layer
+        second_pass = sum(inputs[: config.num_hidden_layers])
+        assert second_pass == training_memory.second_pass_inputs_bytes(config, batch_shape, torch.bfloat16) > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma"])
+def test_with_checkpointing_bitune_keeps_per_layer_only_the_prompt_caches_and_the_second_pass_inputs(name):
+    """Per decoder layer, a checkpointed Bitune step holds beyond LoRA's the keys and values of both prompt passes and
+    the second pass's layer input, and nothing else but the mixing scalars' per-layer temporaries (a few float32
+    numbers): not the mix of the two caches (recomputed in the backward, `caches.PendingMix`)."""
+    batch_shape = (4, 64, 16)
+    result = training_memory.measure_shape(TINY_SHAPES[name], [1, 2], batch_shape, CPU, torch.bfloat16, True, 1.0,
+                                           methods=("bitune", "lora"), log=lambda line: None)
+    cell = result["bitune_excess_over_lora"]["_checkpointing"]
+    mix_per_layer = cell["floor_per_layer_bytes"] // 2  # the mixed keys and values: half of both passes' records
+    assert cell["checkpointed_floor_per_layer_bytes"] > mix_per_layer > 64
+    assert 0 <= cell["per_layer_bytes"] - cell["checkpointed_floor_per_layer_bytes"] <= 64, cell
+
+
 def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, capsys):
     out = tmp_path / "memory.json"
     report = training_memory.main(["--shapes", "tiny-gemma", "--batch", "2", "--prompt", "8", "--answer", "4",
@@ -230,6 +264,11 @@ def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, c
     assert 0 < head["peak_bytes"] <= shape["peak_bytes"]["bitune"]
     floor = shape["prompt_caches"]  # tiny-gemma: 2 layers, 1 key/value head of 16; both passes read 7 tokens
     assert floor == {"bytes": 2 * 2 * 2 * 2 * 1 * 7 * 16 * 2, "per_layer_bytes": 2 * 2 * 2 * 1 * 7 * 16 * 2}
+    second_pass = shape["second_pass_inputs"]  # hidden size 64
+    assert second_pass == {"bytes": 2 * 2 * 7 * 64 * 2, "per_layer_bytes": 2 * 7 * 64 * 2}
+    checkpointed = shape["bitune_excess_over_lora"]["_checkpointing"]
+    assert checkpointed["checkpointed_floor_bytes"] == floor["bytes"] + second_pass["bytes"]
+    assert "checkpointed_floor_bytes" not in shape["bitune_excess_over_lora"][""]
     for setting in ("", "_checkpointing"):
         cell = shape["bitune_excess_over_lora"][setting]
         peaks = shape["peak_bytes"]
