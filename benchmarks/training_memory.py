@@ -4,6 +4,8 @@ Peak memory of one training step, LoRA against Bitune, each with its loss comput
     python benchmarks/training_memory.py --memory_cap_gib 10 --json docs/results/training_memory.json  # all (~45 min)
     python benchmarks/training_memory.py --shapes smollm2-135m --dtype float32
     python benchmarks/training_memory.py --json docs/results/training_memory.json --resume  # go on after a stop
+    python benchmarks/training_memory.py --memory_cap_gib 10 --json docs/results/training_memory.json \
+        --remeasure bitune  # after a change to Bitune: its rows measured again, the others kept
 
 The peak is the bytes allocated during one step (forward, loss, TRL's metrics, backward) above what was allocated
 before it (`measure.peak_bytes_during`: the weights and the batch are not counted). Methods:
@@ -261,6 +263,11 @@ def measure_shape(shape: RealShape, layer_counts: list[int] | None, batch_shape:
                                                      skip_arithmetic, method)
             result[f"{method}_fused_head"] = {"peak_bytes": head_bytes, "positions": positions}
             log(f"{shape.name} TRL's fused head alone at {method}'s {positions} positions: {head_bytes / GIB:.3f} GiB")
+    return with_comparisons(result, shape, batch_shape, dtype)
+
+
+def with_comparisons(result: dict, shape: RealShape, batch_shape: tuple[int, int, int], dtype: torch.dtype) -> dict:
+    """`result` with what is derived from its peaks: Bitune over LoRA, the floors, Bitune's excess over LoRA."""
     peaks = result["peak_bytes"]
     result["bitune_over_lora"] = {
         setting: peaks[f"bitune{setting}"] / peaks[f"lora{setting}"] for setting in ("", "_checkpointing")
@@ -272,6 +279,20 @@ def measure_shape(shape: RealShape, layer_counts: list[int] | None, batch_shape:
                                     "per_layer_bytes": second_pass_inputs_bytes(shape.config(1), batch_shape, dtype)}
     result["bitune_excess_over_lora"] = excess_over_lora(result)
     return result
+
+
+def merge_remeasured(earlier: dict, remeasured: dict) -> dict:
+    """An earlier shape's result with the methods of `remeasured` (a result of some methods only) replaced by their
+    new figures; the other methods' are kept as they were measured."""
+    merged = json.loads(json.dumps(earlier))
+    for field in ("peak_bytes", "measured_peak_bytes", "per_layer_bytes", "skipped"):
+        kept = {key: value for key, value in merged.get(field, {}).items()
+                if not any(key in (method, f"{method}_checkpointing") for method in remeasured["methods"])}
+        merged[field] = {**kept, **remeasured.get(field, {})}
+    for method in FUSED_HEAD_METHODS:
+        if method in remeasured["methods"]:
+            merged[f"{method}_fused_head"] = remeasured[f"{method}_fused_head"]
+    return merged
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -294,11 +315,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="keep the shapes --json already holds (measured with the same settings) and measure only "
                              "the others: a run stopped part-way (killed, out of memory) goes on in a fresh process")
+    parser.add_argument("--remeasure", nargs="+", choices=METHODS, metavar="METHOD",
+                        help="measure these methods again on every shape of the report --json holds (measured with "
+                             "the same settings), keeping the other methods' figures: after a change to one method's "
+                             "code, only its rows change (recorded in the report's `remeasured`)")
     args = parser.parse_args(argv)
     if args.json is not None and not args.json.parent.is_dir():
         parser.error(f"--json: the folder {args.json.parent} does not exist; create it or write elsewhere.")
     if args.resume and (args.json is None or not args.json.is_file()):
         parser.error("--resume keeps the shapes of an earlier report: give that report's file as --json.")
+    if args.remeasure and (args.json is None or not args.json.is_file()):
+        parser.error("--remeasure updates an earlier report: give that report's file as --json.")
+    if args.remeasure and args.resume:
+        parser.error("--remeasure and --resume cannot be combined: finish the report with --resume first.")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda was asked for, but this torch build sees no CUDA device.")
     if len(set(args.layers)) < 2 or min(args.layers) < 1:
@@ -323,6 +352,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "peft": peft.__version__, "python": sys.version.split()[0], "machine": platform.machine()},
         "shapes": {},
     }
+    if args.remeasure:
+        return remeasure(args, report, device, dtype, batch_shape)
     if args.resume:
         report["shapes"] = earlier_shapes(json.loads(args.json.read_text()), report, [s.name for s in args.shapes])
     for shape in args.shapes:
@@ -337,6 +368,28 @@ def main(argv: list[str] | None = None) -> dict:
             args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(table(report))
     return report
+
+
+def remeasure(args: argparse.Namespace, report: dict, device: torch.device, dtype: torch.dtype,
+              batch_shape: tuple[int, int, int]) -> dict:
+    """`--remeasure`: the report in `--json`, its `--remeasure` methods measured again on each of its shapes, the
+    report written back after each shape."""
+    earlier = json.loads(args.json.read_text())
+    if earlier.get("settings") != report["settings"]:
+        raise SystemExit(f"--remeasure: the report was measured with other settings ({earlier.get('settings')}) "
+                         f"than these ({report['settings']}); give the same options it was measured with.")
+    shapes = {**REAL_SHAPES, **TINY_SHAPES}
+    methods = tuple(method for method in METHODS if method in args.remeasure)
+    earlier["remeasured"] = {"methods": list(methods), "environment": report["environment"]}
+    for name, result in earlier["shapes"].items():
+        layer_counts = result["measured_layers"] if result["extrapolated"] else None
+        new = measure_shape(shapes[name], layer_counts, batch_shape, device, dtype, args.arithmetic == "skip",
+                            args.memory_cap_gib, methods)
+        earlier["shapes"][name] = with_comparisons(merge_remeasured(result, {**new, "methods": methods}),
+                                                   shapes[name], batch_shape, dtype)
+        args.json.write_text(json.dumps(earlier, indent=2) + "\n")
+    print(table(earlier))
+    return earlier
 
 
 def earlier_shapes(earlier: dict, report: dict, names: list[str]) -> dict:

@@ -285,6 +285,38 @@ def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, c
         assert words in capsys.readouterr().err
 
 
+def test_training_memory_remeasures_one_method_and_keeps_the_others(tmp_path, capsys):
+    out = tmp_path / "memory.json"
+    small = ["--batch", "2", "--prompt", "8", "--answer", "4", "--methods", "lora", "bitune", "--json", str(out)]
+    first = training_memory.main(["--shapes", "tiny-gemma", *small])
+    marked = json.loads(json.dumps(first))
+    for shape in marked["shapes"].values():  # marks: kept figures are read back, remeasured ones measured again
+        shape["peak_bytes"]["lora_checkpointing"] += 1000
+        shape["peak_bytes"]["bitune_checkpointing"] = -1
+        shape["bitune_fused_head"]["peak_bytes"] = -1
+    out.write_text(json.dumps(marked))
+    again = training_memory.main([*small, "--remeasure", "bitune"])
+    assert again["remeasured"]["methods"] == ["bitune"]
+    assert json.loads(out.read_text()) == json.loads(json.dumps(again))
+    for name, shape in again["shapes"].items():
+        before = first["shapes"][name]
+        assert shape["peak_bytes"]["lora_checkpointing"] == before["peak_bytes"]["lora_checkpointing"] + 1000
+        for key in ("bitune_checkpointing", "bitune", "lora"):
+            assert shape["peak_bytes"][key] == before["peak_bytes"][key]
+        assert shape["measured_peak_bytes"] == before["measured_peak_bytes"]
+        assert shape["bitune_fused_head"] == before["bitune_fused_head"]
+        assert shape["bitune_over_lora"]["_checkpointing"] == (
+            shape["peak_bytes"]["bitune_checkpointing"] / shape["peak_bytes"]["lora_checkpointing"])
+        assert shape["bitune_excess_over_lora"]["_checkpointing"]["bytes"] == (
+            before["bitune_excess_over_lora"]["_checkpointing"]["bytes"] - 1000)
+    for argv, words in ((["--remeasure", "bitune"], "give that report's file as --json"),
+                        ([*small, "--remeasure", "bitune", "--resume"], "cannot be combined"),
+                        ([*small, "--batch", "3", "--remeasure", "bitune"], "other settings")):
+        with pytest.raises(SystemExit) as exited:
+            training_memory.main(argv)
+        assert words in capsys.readouterr().err + str(exited.value)
+
+
 def test_training_memory_resumes_a_report_with_its_measured_shapes_kept(tmp_path, capsys):
     out = tmp_path / "memory.json"
     small = ["--batch", "2", "--prompt", "8", "--answer", "4", "--methods", "bitune", "--json", str(out)]
