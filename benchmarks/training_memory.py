@@ -25,8 +25,9 @@ before it (`measure.peak_bytes_during`: the weights and the batch are not counte
 The report's `lora_fused_head` and `bitune_fused_head` give TRL's head alone at each method's positions on the device
 measured: on a CPU it is most of each step's peak with checkpointing, and scores three times as many positions for
 LoRA as for Bitune at P=512, A=256, while on a GPU both score the A answer positions of each row. So each shape also
-gives `bitune_excess_over_lora`: Bitune's peak minus LoRA's, in all, with each method's head taken out of its peak
-(closer to what a GPU shows), and per decoder layer where extrapolated, next to its floor `prompt_caches`: the keys
+gives `bitune_excess_over_lora`: Bitune's peak minus LoRA's, in all, with each method's head taken out of its peak,
+Bitune's peak over LoRA's with LoRA's head at Bitune's positions (`same_head_ratio`, closer to what a GPU shows), and
+per decoder layer where extrapolated, next to its floor `prompt_caches`: the keys
 and values both prompt passes record, which the mix keeps for the backward pass (`prompt_caches_bytes`). With
 checkpointing, next to that floor plus `second_pass_inputs` as well: the input of each decoder layer to the second
 prompt pass, which checkpointing keeps to recompute the layer from (`second_pass_inputs_bytes`).
@@ -185,6 +186,10 @@ def excess_over_lora(result: dict, settings: tuple[str, ...] = ("_checkpointing"
             cell["without_heads_bytes"] = cell["bytes"] - heads
             cell["without_heads_ratio"] = ((peaks[bitune] - result["bitune_fused_head"]["peak_bytes"])
                                            / (peaks[lora] - result["lora_fused_head"]["peak_bytes"]))
+            # Over LoRA's peak with its head scoring Bitune's positions instead of whole rows, as on a GPU, where
+            # TRL's Triton head scores the supervised positions only (A a row; Bitune's head scores A + 1). It
+            # takes LoRA's peak to be where its head runs, as it is with checkpointing here (the head is most of it).
+            cell["same_head_ratio"] = peaks[bitune] / (peaks[lora] + heads)
         if bitune in per_layer and lora in per_layer:
             cell["per_layer_bytes"] = per_layer[bitune] - per_layer[lora]
             cell["floor_per_layer_bytes"] = floor["per_layer_bytes"]
@@ -419,7 +424,8 @@ def table(report: dict) -> str:
             line = (f"{name} {'with' if setting else 'without'} checkpointing: Bitune - LoRA "
                     f"{cell['bytes'] / GIB:.2f} GiB")
             if "without_heads_bytes" in cell:
-                line += f" ({cell['without_heads_bytes'] / GIB:.2f} GiB with each fused head taken out)"
+                line += (f" ({cell['without_heads_bytes'] / GIB:.2f} GiB with each fused head taken out; "
+                         f"Bitune / LoRA {cell['same_head_ratio']:.2f} with LoRA's head at Bitune's positions)")
             if "per_layer_bytes" in cell:
                 line += (f", {cell['per_layer_bytes'] / MIB:.1f} MiB per layer against a floor of "
                          f"{cell['floor_per_layer_bytes'] / MIB:.1f}")
@@ -460,9 +466,10 @@ def excess_markdown(report: dict) -> str:
     prompt passes (`prompt_caches_bytes`), and with checkpointing the floor plus the second prompt pass's
     checkpointed inputs (`second_pass_inputs_bytes`), in all and per decoder layer."""
     lines = ["| Model (decoder layers measured) | checkpointing | Bitune - LoRA, GiB | the same, heads taken out "
-             "| Bitune / LoRA, heads taken out | floor: prompt caches, GiB | floor + second pass's inputs, GiB "
+             "| Bitune / LoRA, heads taken out | Bitune / LoRA, same head | floor: prompt caches, GiB "
+             "| floor + second pass's inputs, GiB "
              "| Bitune - LoRA per layer, MiB | floor per layer, MiB | floor + second pass's inputs per layer, MiB |",
-             "| --- | --- |" + " ---: |" * 8]
+             "| --- | --- |" + " ---: |" * 9]
     for name, shape in report["shapes"].items():
         for setting, words in (("_checkpointing", "yes"), ("", "no")):
             cell = shape.get("bitune_excess_over_lora", {}).get(setting)
@@ -471,6 +478,7 @@ def excess_markdown(report: dict) -> str:
             cells = [f"{cell['bytes'] / GIB:.2f}",
                      f"{cell['without_heads_bytes'] / GIB:.2f}" if "without_heads_bytes" in cell else "-",
                      f"{cell['without_heads_ratio']:.2f}" if "without_heads_ratio" in cell else "-",
+                     f"{cell['same_head_ratio']:.2f}" if "same_head_ratio" in cell else "-",
                      f"{cell['floor_bytes'] / GIB:.2f}",
                      f"{cell['checkpointed_floor_bytes'] / GIB:.2f}" if "checkpointed_floor_bytes" in cell else "-",
                      f"{cell['per_layer_bytes'] / MIB:.1f}" if "per_layer_bytes" in cell else "-",

@@ -276,6 +276,7 @@ def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, c
         assert cell["floor_bytes"] == floor["bytes"] and "per_layer_bytes" not in cell  # measured at full depth
         heads = shape["bitune_fused_head"]["peak_bytes"] - shape["lora_fused_head"]["peak_bytes"]
         assert cell["without_heads_bytes"] == cell["bytes"] - heads
+        assert cell["same_head_ratio"] == peaks[f"bitune{setting}"] / (peaks[f"lora{setting}"] + heads)
     assert "floor (the prompt passes' caches)" in capsys.readouterr().out
     for argv, words in ((["--layers", "2", "2"], "two different layer counts"),
                         (["--prompt", "1"], "--prompt at least 2"),
