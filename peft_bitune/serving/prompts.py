@@ -17,14 +17,15 @@ the generation prompt ends through its content, and the end-of-sequence token if
 
 from __future__ import annotations
 
-import re
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
 from ..common import MultiTurnMode
 
-GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")  # as transformers detects them
 PROBE_CONVERSATION = [
     {"role": "user", "content": "What is 2 + 2?"},
     {"role": "assistant", "content": "4"},
@@ -81,11 +82,12 @@ class Prompt:
 
 class PromptBuilder:
     """
-    Renders conversations with the chat template and lays them out for the adapter's multi-turn scheme.
+    Renders conversations with the chat template training used and lays them out for the adapter's multi-turn scheme.
 
     Args:
         tokenizer: the model's tokenizer; laying out alternating turns needs a fast one (character offsets).
-        chat_template (`str`, *optional*): a Jinja chat template overriding the tokenizer's own.
+        chat_template (`str`, *optional*): a Jinja chat template overriding the tokenizer's own. Where TRL's
+            `SFTTrainer` would swap in its training template for it (`training_chat_template`), that one is used.
         multi_turn (`str`): the adapter's `multi_turn`, `"alternating"` or `"history"`.
         eos_texts (`list[str]`): the texts of the end-of-sequence tokens, which end an answer when the template writes
             one right after the content.
@@ -93,11 +95,15 @@ class PromptBuilder:
 
     def __init__(self, tokenizer: Any, chat_template: str | None, multi_turn: MultiTurnMode, eos_texts: list[str]):
         self.tokenizer = tokenizer
-        self.chat_template = chat_template
         self.multi_turn = multi_turn
         self.eos_texts = [text for text in eos_texts if text]
         template = chat_template if chat_template is not None else tokenizer.chat_template
-        self.has_generation_markers = isinstance(template, str) and bool(GENERATION_MARKER.search(template))
+        # The template TRL renders training conversations with in its place, or None where training uses `template`.
+        self.training_template = training_chat_template(tokenizer, chat_template)
+        self.chat_template = self.training_template if self.training_template is not None else chat_template
+        self.has_generation_markers = self.training_template is not None or (
+            template is not None and has_generation_markers(template)
+        )
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(
@@ -116,6 +122,8 @@ class PromptBuilder:
                 return_dict=True, return_assistant_tokens_mask=True,
             )
             return _from_answer_mask(list(encoded["input_ids"]), [bool(m) for m in encoded["assistant_masks"]])
+        # Hand-written: TRL's training templates and transformers' assistant mask were considered, but both read
+        # answers from markers only, and TRL adds markers only to the templates it knows by their exact text.
         text = self.render(messages)
         spans = self._answer_spans(messages, text)
         try:
@@ -240,6 +248,30 @@ class PromptBuilder:
             if eos is not None:
                 return end + len(eos)
         return places[-1] + len(content)
+
+
+def training_chat_template(tokenizer: Any, chat_template: str | None) -> str | None:
+    """
+    The chat template TRL's `SFTTrainer` (`assistant_only_loss=True`, the only way Bitune trains conversations)
+    renders conversations with in place of `chat_template` (the tokenizer's own if None): TRL's training template, with
+    `{% generation %}` markers, for a template without markers that TRL knows; None for a template with markers (used
+    as it is) or one TRL does not know (`SFTTrainer` refuses to train on conversations with it).
+    """
+    template = chat_template if chat_template is not None else tokenizer.chat_template
+    if template is None or has_generation_markers(template):
+        return None
+    from jinja2 import TemplateError  # chat templates need jinja2 (the `serve` extra)
+
+    if chat_template is not None and chat_template != tokenizer.chat_template:
+        # TRL reads the template from the tokenizer (`--chat-template` is what training set there): a copy holds it.
+        tokenizer = copy.copy(tokenizer)
+        tokenizer.chat_template = chat_template
+    try:
+        return get_training_chat_template(tokenizer)
+    except (ValueError, TypeError, TemplateError):
+        # ValueError: not a template TRL knows. The others come from TRL's checks, which render it with a tool call
+        # first: `SFTTrainer` fails on them too, so training had no TRL template (`check` reports a broken one).
+        return None
 
 
 # How the answers are found without markers: every message is rendered after the first `WINDOW_ANCHOR` messages (a
