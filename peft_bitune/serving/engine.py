@@ -34,7 +34,7 @@ from .batching import RowStops, row_cache, stack_left_padded
 from .conversations import ConversationStore, KeptConversation
 from .prompts import Prompt, PromptBuilder, PromptLayoutError
 from .settings import BatchLimits
-from .streaming import RowStreams, StopStrings, cut_at_stop
+from .streaming import RowStreams, StopStrings, answer_text, cut_at_stop
 from .worker import ModelWorker
 
 
@@ -302,7 +302,7 @@ class ChatEngine:
             conversation = prompt.token_ids + answer_ids
             cache = row_cache(cache, row, width - len(prompt), width - 1 + generated, conversation, self.tuner.model)
         self.store.keep(KeptConversation(prompt.followed_by_answer(answer_ids), cache, request.partition))
-        content, hit_stop = cut_at_stop(self.tokenizer.decode(answer_ids, skip_special_tokens=True), request.stop)
+        content, hit_stop = cut_at_stop(answer_text(self.tokenizer, answer_ids), request.stop)
         ended_by_eos = bool(answer_ids) and answer_ids[-1] in stops.eos_ids
         finished = hit_stop or ended_by_eos or generated < stops.max_new_tokens[row]
         return ChatResult(content, answer_ids, "stop" if finished else "length", len(prompt), read.cached_tokens)

@@ -2,11 +2,12 @@
 stop strings.
 
 `TextStream` is a transformers streamer (the public `put`/`end` protocol of `generate(streamer=...)`): it decodes the
-new tokens incrementally and hands each new piece of text to a callback. `RowStreams` is the streamer of a batch: it
-hands each row's tokens to that row's `TextStream` until the row has ended (`batching.RowStops`). `StopTextFilter`
-holds back text that may be the start of a stop string, so that a stream ends exactly where the whole answer is cut
-(`cut_at_stop`), and `StopStrings` ends a row of a batch at its stop strings by the same rule. All three are linear in
-the text and the stop strings (Knuth-Morris-Pratt), and keep nothing beyond their request.
+new tokens incrementally (tokenizers' `DecodeStream`) and hands each new piece of text to a callback. `RowStreams` is
+the streamer of a batch: it hands each row's tokens to that row's `TextStream` until the row has ended
+(`batching.RowStops`). `StopTextFilter` holds back text that may be the start of a stop string, so that a stream ends
+exactly where the whole answer is cut (`cut_at_stop`), and `StopStrings` ends a row of a batch at its stop strings by
+the same rule. All three are linear in the text and the stop strings (Knuth-Morris-Pratt), and keep nothing beyond
+their request.
 """
 
 from __future__ import annotations
@@ -15,32 +16,79 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tokenizers.decoders import DecodeStream
 from transformers.generation.streamers import BaseStreamer
 
 REPLACEMENT_CHARACTER = "\ufffd"
 
 
+def answer_text(tokenizer: Any, token_ids: list[int]) -> str:
+    """An answer's whole text, decoded exactly as `IncrementalDecoder` streams it, special tokens skipped: by the
+    Rust tokenizer itself, since `DecodeStream` never applies transformers' `clean_up_tokenization_spaces`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
+    return backend.decode(token_ids, skip_special_tokens=True)
+
+
+def incremental_decoder(tokenizer: Any) -> IncrementalDecoder | WindowDecoder:
+    """The incremental decoder of `tokenizer`: `DecodeStream` over its Rust tokenizer, or `WindowDecoder` for one
+    that has none."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # No Rust tokenizer (a Python or mistral-common one): a fallback, not a refusal, as such models are served today.
+    return WindowDecoder(tokenizer) if backend is None else IncrementalDecoder(backend)
+
+
 class IncrementalDecoder:
     """
-    Decodes token ids into text as they come: each new piece is the decoding of a small window of the latest tokens
-    minus the decoding of that window without the newest ones (the incremental detokenization of vLLM and TGI). A
-    token that completes a character only with the next one (a byte of UTF-8, a word piece) waits for it, and the
-    decoding costs the same at every token however long the answer grows.
+    Decodes token ids into text as they come, with tokenizers' `DecodeStream` (TGI's incremental detokenization, in
+    Rust): a token that completes a character only with the next one (a byte of UTF-8, a word piece) waits for it,
+    each token costs the same however long the answer grows, and the pieces add up to `answer_text`.
+
+    Args:
+        backend (`tokenizers.Tokenizer`): the Rust tokenizer (`tokenizer.backend_tokenizer`).
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.stream = DecodeStream(skip_special_tokens=True)
+
+    def add(self, token_ids: list[int]) -> str:
+        """The text the new tokens complete ("" while they complete nothing yet)."""
+        return "".join(self._step(token_id) for token_id in token_ids)
+
+    def _step(self, token_id: int) -> str:
+        try:
+            return self.stream.step(self.backend, token_id) or ""
+        except Exception as error:  # tokenizers raises a bare Exception
+            if "Invalid prefix" not in str(error):
+                raise
+        # A byte-fallback decoder merged bytes that are no UTF-8 with text already handed out, which no piece can take
+        # back: the stream goes on from this token, parted from the whole answer's decoding from here on.
+        self.stream = DecodeStream(skip_special_tokens=True)
+        return self.stream.step(self.backend, token_id) or ""
+
+
+# By hand: DecodeStream needs a Rust tokenizer, and transformers' TextStreamer re-decodes all the text at each token.
+class WindowDecoder:
+    """
+    `IncrementalDecoder` for a tokenizer without a Rust backend: each new piece is the decoding of a small window of
+    the latest tokens minus the decoding of that window without the newest ones, as `DecodeStream` does.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.token_ids: list[int] = []
-        self._prefix_start = 0  # the window starts here ...
-        self._read_end = 0  # ... and its text up to here has been handed out
+        self.token_ids: list[int] = []  # the window, from the start of the text handed out before the last piece
+        self._read_end = 0  # the window's text up to here has been handed out
 
     def add(self, token_ids: list[int]) -> str:
         """The text the new tokens complete ("" while they complete nothing yet)."""
         self.token_ids.extend(token_ids)
-        sent = self._decode(self.token_ids[self._prefix_start : self._read_end])
-        text = self._decode(self.token_ids[self._prefix_start :])
+        sent = self._decode(self.token_ids[: self._read_end])
+        text = self._decode(self.token_ids)
         if len(text) > len(sent) and not text.endswith(REPLACEMENT_CHARACTER):
-            self._prefix_start, self._read_end = self._read_end, len(self.token_ids)
+            self.token_ids = self.token_ids[self._read_end :]
+            self._read_end = len(self.token_ids)
             return text[len(sent) :]
         return ""
 
@@ -54,18 +102,14 @@ class TextStream(BaseStreamer):
     each new piece. The first `put` holds the prompt and is skipped.
 
     Args:
-        tokenizer: the model's tokenizer (anything with `decode(ids, skip_special_tokens=...)`).
+        tokenizer: the model's tokenizer (its `backend_tokenizer`, or else `decode(ids, skip_special_tokens=...)`).
         on_text (`Callable[[str], None]`): called with each new piece of text, on the thread that runs `generate`.
     """
 
     def __init__(self, tokenizer: Any, on_text: Callable[[str], None]) -> None:
-        self.decoder = IncrementalDecoder(tokenizer)
+        self.decoder = incremental_decoder(tokenizer)
         self.on_text = on_text
         self._prompt_skipped = False
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.decoder.token_ids
 
     def put(self, value: torch.Tensor) -> None:
         if not self._prompt_skipped:
@@ -196,7 +240,7 @@ class StopStrings:
     """
 
     def __init__(self, tokenizer: Any, stop: list[str]) -> None:
-        self.decoder = IncrementalDecoder(tokenizer)
+        self.decoder = incremental_decoder(tokenizer)
         self.text = StopTextFilter(stop)
 
     def add(self, token_id: int) -> bool:
