@@ -6,7 +6,7 @@
 - `streaming.py`: incremental text, stop strings, clients that leave;
 - `settings.py`: how the server guards itself (API keys, origins, the largest body);
 - `validation.py`, `app.py`, `server.py`, `cli.py`: the HTTP side, which needs the `serve` extra (`pip install
-  'peft-bitune[serve]'`: FastAPI, uvicorn, openai; jinja2 renders chat templates).
+  'peft-bitune[serve]'`: FastAPI, uvicorn, openai, pydantic; jinja2 renders chat templates).
 """
 
 from .conversations import ConversationStore, KeptConversation

@@ -38,18 +38,7 @@ from .engine import ChatEngine, ChatRequest, ChatResult
 from .prompts import PromptLayoutError
 from .settings import ServerSettings
 from .streaming import StopTextFilter, TextStream
-from .validation import (
-    SEED_RANGE,
-    OpenAIError,
-    check_fields,
-    check_messages,
-    check_n_and_stream,
-    check_stop,
-    optional_number,
-    optional_string,
-    parse_body,
-    text_messages,
-)
+from .validation import OpenAIError, check_request, parse_body
 
 _WORK_DONE = object()  # queued after the worker finished a streaming request, whatever happened
 PREPARATION_THREADS = 4  # requests checked, rendered and tokenized at once
@@ -91,27 +80,10 @@ class ChatCompletions:
     def chat_request(self, body: dict, api_key: int | None = None) -> ChatRequest:
         """Check a request body and lay out its conversation; raises `OpenAIError` for anything wrong. The request
         may reuse the conversations kept for the same API key, `user` and `prompt_cache_key` only."""
-        check_fields(body)
-        model = body.get("model")
-        if model != self.model_name:
-            raise OpenAIError(
-                404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.", "model",
-                "model_not_found",
-            )
-        check_n_and_stream(body)
-        messages = check_messages(body.get("messages"))
-        max_completion_tokens = optional_number(body, "max_completion_tokens", int, 1)
-        max_tokens = optional_number(body, "max_tokens", int, 1)
-        if max_completion_tokens is not None:
-            max_tokens = max_completion_tokens  # OpenAI's newer name wins, as in transformers serve
-        temperature = optional_number(body, "temperature", float, 0.0, 2.0)
-        top_p = optional_number(body, "top_p", float, 0.0, 1.0)
-        if top_p == 0.0:
-            raise OpenAIError(400, "`top_p` must be above 0.", "top_p")
-        seed = optional_number(body, "seed", int, *SEED_RANGE)
-        stop = check_stop(body.get("stop"))
-        partition = (api_key, optional_string(body, "user"), optional_string(body, "prompt_cache_key"))
-        texts = text_messages(messages)
+        checked = check_request(body, self.model_name)
+        max_tokens = checked.answer_tokens
+        partition = (api_key, checked.user, checked.prompt_cache_key)
+        texts = checked.text_messages()
         fewest = self.engine.fewest_tokens(texts)  # before any rendering: cheap, and linear in the request
         if not self.engine.room_for(fewest, max_tokens):
             raise self._too_long(f"at least {fewest} tokens ({len(texts)} messages of {self._characters(texts)} "
@@ -125,8 +97,8 @@ class ChatCompletions:
         if not self.engine.room_for(len(prompt), max_tokens):
             raise self._too_long(f"{len(prompt)} tokens", max_tokens)
         # Seeded on the worker, right before this request runs: seeding here would reseed whatever runs meanwhile.
-        generation_config = self._generation_config(temperature, top_p)
-        return ChatRequest(prompt, generation_config, max_tokens, stop, seed, partition)
+        generation_config = self._generation_config(checked.temperature, checked.top_p)
+        return ChatRequest(prompt, generation_config, max_tokens, checked.stop_strings, checked.seed, partition)
 
     def _too_long(self, taken: str, max_tokens: int | None) -> OpenAIError:
         return OpenAIError(

@@ -4,26 +4,43 @@ A body is refused when it is not strict JSON (NaN and Infinity are not JSON, tho
 it holds an integer of more digits than Python converts (4,300 by default; no field takes a number near that), when
 it holds text that is not valid Unicode (a lone surrogate such as "\\ud800", which no tokenizer can encode), and when a
 field has a value OpenAI's API would refuse. Nothing is silently ignored: unknown fields are refused by name.
+
+The fields are checked by a pydantic model of the request (`ChatCompletionRequest`), with OpenAI's field names and
+types for the fields it honours. A `TypeAdapter` over OpenAI's own request type (`openai.types.chat`'s
+`CompletionCreateParams`) was considered and does not fit: it takes some thirty fields this server does not honour
+(tools, logprobs, images and audio in messages, ...) and cannot be told to refuse unknown ones, its keys change from
+one `openai` release to the next (newer text parts take a `prompt_cache_breakpoint`), and its `Iterable` fields are
+validated lazily, after the checks.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import reprlib
 import sys
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
 from fastapi.responses import JSONResponse
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    with_config,
+)
+from pydantic_core import PydanticCustomError
+from typing_extensions import TypedDict
 
-# Request fields this server honours; anything else is refused rather than silently ignored.
-SUPPORTED_FIELDS = {
-    "model", "messages", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "n",
-    "user", "prompt_cache_key",
-}
-ROLES = {"system", "developer", "user", "assistant"}
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_STOP_LENGTH = 512  # characters per stop sequence (OpenAI states no limit; ours bounds what a stream holds back)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
+# Strict: an integer field takes a JSON integer only (not 1.0 or true), a boolean a JSON boolean (not 1 or "true"), a
+# string a string; a number field takes an integer or a finite number. Unknown keys are refused, at every level.
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class OpenAIError(Exception):
@@ -43,6 +60,8 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+# Hand-written, pydantic considered: its JSON parser reads NaN and Infinity as numbers, and refuses a lone surrogate
+# without naming the field, so the body is parsed (and its text checked) by Python's own parser first.
 def parse_body(raw: bytes) -> dict:
     """The request body as a JSON object of valid Unicode text; raises `OpenAIError` (400) otherwise."""
     try:
@@ -73,6 +92,8 @@ def _refuse_constant(name: str) -> Any:
     raise json.JSONDecodeError(f"{name} is not a JSON value (numbers must be finite)", name, 0)
 
 
+# Hand-written, pydantic considered: its `str` takes a Python string that holds a lone surrogate, and a check on each
+# string field would still miss the keys; one walk over the parsed body covers every string, keys included.
 def _check_unicode(value: Any, where: str) -> None:
     """Refuse strings (keys and values) that cannot be encoded as UTF-8: JSON's \\u escapes can write a lone
     surrogate, which Python keeps in a `str` and every tokenizer refuses."""
@@ -93,101 +114,162 @@ def _check_unicode(value: Any, where: str) -> None:
             _check_unicode(item, f"{where}[{i}]")
 
 
-def check_fields(body: dict) -> None:
-    unsupported = sorted(set(body) - SUPPORTED_FIELDS)
-    if unsupported:
-        raise OpenAIError(
-            400, f"Unsupported request fields {unsupported}; bitune-serve supports {sorted(SUPPORTED_FIELDS)}.",
-            param=unsupported[0],
-        )
+def _form(value: Any) -> str:
+    """Which form of OpenAI's "a string or a list" fields a value takes, so that only that form's errors are told."""
+    return "string" if isinstance(value, str) else "list"
 
 
-def check_n_and_stream(body: dict) -> None:
-    """`n` and `stream` with OpenAI's types, strictly: `n` a JSON integer (1 here; not 1.0 or true) and `stream` a JSON
-    boolean (not 1 or "true"). Python compares 1.0 == 1 and 1 == True, so the types are checked, not only the
-    values."""
-    n, stream = body.get("n"), body.get("stream")
-    if n is not None and (type(n) is not int or n != 1):
-        raise OpenAIError(400, f"`n` must be the integer 1 (one answer per request), got {n!r}.", "n")
-    if stream is not None and type(stream) is not bool:
-        raise OpenAIError(400, f"`stream` must be true or false (a JSON boolean), got {stream!r}.", "stream")
+def _string_or_list(string: Any, items: Any) -> Any:
+    """OpenAI's `str | list[...]` fields, discriminated by `_form`."""
+    return Annotated[Annotated[string, Tag("string")] | Annotated[items, Tag("list")], Discriminator(_form)]
 
 
-def check_messages(messages: Any) -> list[dict]:
-    """The messages, checked: text content only (a string or a list of text parts), known roles."""
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError(400, "`messages` must be a non-empty list of {role, content} objects.", "messages")
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict) or set(message) - {"role", "content"} or "role" not in message:
-            raise OpenAIError(
-                400, f"`{where}` must be an object with `role` and `content` only, got {message!r:.200}.", where
+Role = Literal["system", "developer", "user", "assistant"]
+ROLES = get_args(Role)
+
+
+@with_config(_STRICT)
+class TextPart(TypedDict):
+    """A text part of a message's content, as OpenAI's `ChatCompletionContentPartTextParam` (this model reads text
+    only: images, audio and files are refused)."""
+
+    type: Literal["text"]
+    text: str
+
+
+Content = _string_or_list(str, list[TextPart])
+
+
+@with_config(_STRICT)
+class ChatMessage(TypedDict):
+    """A message: `role` and `content` only (OpenAI's `name`, tool calls and refusals are not honoured)."""
+
+    role: Role
+    content: Content
+
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+Stop = _string_or_list(StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)])
+
+
+class ChatCompletionRequest(BaseModel):
+    """A chat completion request: the fields of OpenAI's `CompletionCreateParams` this server honours, with OpenAI's
+    names and types, and bounds where the server needs them. Fields are checked in this order (the first wrong one is
+    told), after unknown fields; `model` is checked against the `served_model` of the validation context."""
+
+    model_config = _STRICT
+
+    model: str
+    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    stream: bool | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    stop: Stop | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+
+    @field_validator("model")
+    @classmethod
+    def _served(cls, model: str, info: ValidationInfo) -> str:
+        served = (info.context or {}).get("served_model")
+        if served is not None and model != served:
+            raise PydanticCustomError(
+                "model_not_found", "The model `{model}` does not exist; this server serves `{served}`.",
+                {"model": model, "served": served},
             )
-        if message["role"] not in ROLES:
-            raise OpenAIError(400, f"`{where}.role` must be one of {sorted(ROLES)}, got {message['role']!r}.", where)
-        content = message.get("content")
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        if not isinstance(parts, list) or not all(
-            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            for part in parts
-        ):
-            raise OpenAIError(
-                400, f"`{where}.content` must be a string or a list of text parts (this model reads text only).", where
-            )
-    return messages
+        return model
+
+    @property
+    def answer_tokens(self) -> int | None:
+        """The most tokens to answer with: `max_completion_tokens`, OpenAI's newer name, wins (as in transformers
+        serve)."""
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def text_messages(self) -> list[dict]:
+        """The messages as a chat template takes them: text parts joined into one string with spaces (as
+        `transformers serve` does for text-only models)."""
+        return [{"role": message["role"], "content": message["content"] if isinstance(message["content"], str)
+                 else " ".join(part["text"] for part in message["content"])} for message in self.messages]
 
 
-def text_messages(messages: list[dict]) -> list[dict]:
-    """The messages as a chat template takes them: text parts joined into one string with spaces (as `transformers
-    serve` does for text-only models)."""
-    texts = [m["content"] if isinstance(m.get("content"), str) else " ".join(p["text"] for p in m.get("content") or [])
-             for m in messages]
-    return [{"role": message["role"], "content": text} for message, text in zip(messages, texts)]
+SUPPORTED_FIELDS = frozenset(ChatCompletionRequest.model_fields)
+# What each field must be, told with every refusal of it (or of anything inside it), keyed by its path.
+_EXPECTED = {
+    ("model",): "the name of the model this server serves (see GET /v1/models)",
+    ("n",): "the integer 1 (one answer per request)",
+    ("stream",): "true or false (a JSON boolean)",
+    ("messages",): "a non-empty list of messages, each an object with `role` and `content` only",
+    ("messages", "role"): f"one of {list(ROLES)}",
+    ("messages", "content"): 'a string or a list of text parts {"type": "text", "text": "..."} (this model reads text '
+                             "only)",
+    ("max_completion_tokens",): "an integer of at least 1",
+    ("max_tokens",): "an integer of at least 1",
+    ("temperature",): "a number from 0 to 2",
+    ("top_p",): "a number above 0 and at most 1",
+    ("seed",): f"an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]} (what torch can seed)",
+    ("stop",): f"a non-empty string, or a list of at most {MAX_STOP_STRINGS} stop sequences (as OpenAI's API), each "
+               f"at most {MAX_STOP_LENGTH} characters long",
+    ("user",): "a string",
+    ("prompt_cache_key",): "a string",
+}
+_UNION_FIELDS = {"content", "stop"}  # their errors' locations hold the form `_form` chose, which the request does not
+_SHOWN = reprlib.Repr()  # a refused value, shown short however large it is
+_SHOWN.maxstring = _SHOWN.maxother = 80
+_SHOWN.maxlist = _SHOWN.maxdict = 4
+_SHOWN.maxlevel = 2
 
 
-def optional_number(body: dict, name: str, kind: type, low: float | None = None, high: float | None = None) -> Any:
-    """`body[name]` as an int or a finite float within [low, high], or None if absent."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise OpenAIError(400, f"`{name}` must be a{'n integer' if kind is int else ' number'}, got {value!r}.", name)
-    if not math.isfinite(value):
-        raise OpenAIError(400, f"`{name}` must be a finite number, got {value!r}.", name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
-        raise OpenAIError(400, f"`{name}` must be {bounds}, got {value!r}.", name)
-    return kind(value)
+def check_request(body: dict, served_model: str) -> ChatCompletionRequest:
+    """The body as a `ChatCompletionRequest`; raises `OpenAIError` for the first thing wrong with it, after all unknown
+    fields (400), and 404 (`model_not_found`) for a model other than `served_model`."""
+    try:
+        return ChatCompletionRequest.model_validate(body, context={"served_model": served_model})
+    except ValidationError as error:
+        raise _refusal(error.errors(include_url=False)) from None
 
 
-def optional_string(body: dict, name: str) -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise OpenAIError(400, f"`{name}` must be a string, got {value!r:.100}.", name)
-    return value
-
-
-def check_stop(stop: Any) -> list[str]:
-    """The stop strings: at most `MAX_STOP_STRINGS` (as OpenAI's API), each non-empty and at most `MAX_STOP_LENGTH`
-    characters, so that what a request makes the server hold (its stop strings, the text a stream holds back) is
-    bounded."""
-    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
-        raise OpenAIError(
-            400,
-            f"`stop` must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them, got {stop!r:.200}.",
-            "stop",
+def _refusal(errors: list[dict]) -> OpenAIError:
+    """OpenAI's error object for pydantic's errors: it holds one error where pydantic lists each, so the unknown fields
+    are told (all at once), else the first error, with its location as a request path and what the field must be."""
+    unknown = sorted(str(error["loc"][0]) for error in errors if error["type"] == "extra_forbidden"
+                     and len(error["loc"]) == 1)
+    if unknown:
+        return OpenAIError(
+            400, f"Unsupported request fields {unknown}; bitune-serve supports {sorted(SUPPORTED_FIELDS)}.", unknown[0]
         )
-    if len(stops) > MAX_STOP_STRINGS:
-        raise OpenAIError(
-            400, f"`stop` may hold at most {MAX_STOP_STRINGS} stop sequences (as OpenAI's API), got {len(stops)}.",
-            "stop",
-        )
-    for i, s in enumerate(stops):
-        if len(s) > MAX_STOP_LENGTH:
-            where = "stop" if isinstance(stop, str) else f"stop[{i}]"
-            raise OpenAIError(
-                400, f"Each `stop` sequence may be at most {MAX_STOP_LENGTH} characters long; `{where}` has {len(s)}.",
-                where,
-            )
-    return stops
+    error = errors[0]
+    if error["type"] == "model_not_found":
+        return OpenAIError(404, error["msg"], "model", "model_not_found")
+    param, subject, expected = _located(error["loc"])
+    if error["type"] == "missing":
+        what = f"Missing `{param}`"
+    elif error["type"] == "extra_forbidden":
+        what = f"Unsupported field `{param}`"
+    else:
+        what = f"Invalid `{param}`: {error['msg']}, got {_SHOWN.repr(error['input'])}"
+    return OpenAIError(400, f"{what}. `{subject}` must be {expected}.", param)
+
+
+def _located(loc: tuple) -> tuple[str, str, str]:
+    """(the request path of an error's location, e.g. `messages[0].content[1].text`; the path of the nearest field
+    that holds it whose expected value `_EXPECTED` tells; that expected value)."""
+    param, path, subject, expected = "", (), "body", "a chat completion request object"
+    for i, item in enumerate(loc):
+        if isinstance(item, int):
+            param += f"[{item}]"
+        elif i and loc[i - 1] in _UNION_FIELDS and item in ("string", "list"):
+            continue
+        else:
+            param = f"{param}.{item}" if param else str(item)
+            path += (item,)
+            if path in _EXPECTED:
+                subject, expected = param, _EXPECTED[path]
+    return param, subject, expected
