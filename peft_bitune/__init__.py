@@ -2,7 +2,8 @@
 weights), mixes the two KV caches with learned per-layer scalars, and trains and generates on the answer.
 
 Importing this package registers the "BITUNE" PEFT type, which `PeftModel.from_pretrained` needs to load an adapter.
-Bitune adapters are safetensors only (see `safetensors_only.py`).
+It installs no hook. Adapters are saved by PEFT (safetensors by default, a pickle with `safe_serialization=False`),
+and their weights files are checked before PEFT loads them (`weights_files.py`).
 """
 
 from .caches import BituneCache

@@ -3,10 +3,11 @@
 - Reading refuses fields this version does not know. PEFT's own configs drop them with a warning (for forward
   compatibility), but a Bitune field changes how the adapter runs, so dropping one would silently run it differently.
 - Reading names the file when it is not a JSON object, and refuses an adapter whose weights PEFT would then fail to
-  read, or must not read (only `adapter_model.bin`, a pickle), before PEFT adds the adapter to a model (see
-  `safetensors_only.py`).
-- Writing refuses to finish next to an `adapter_model.bin` (`save_pretrained(safe_serialization=False)`), and writes
-  the model card (see `model_card.py`), since PEFT writes the config of every adapter it saves, each in its own folder.
+  read, or refuse to read (a pickle that would run code), before PEFT adds the adapter to a model (see
+  `weights_files.py`).
+- Writing warns when the folder holds both weights files, of which PEFT loads only `adapter_model.safetensors`, and
+  writes the model card (see `model_card.py`), since PEFT writes the config of every adapter it saves, each in its own
+  folder.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ import os
 from typing import Any
 
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
-from peft.utils import CONFIG_NAME
 
 from . import compat
 from .model_card import write_model_card
 from .persistence import mark_added_to_load
-from .safetensors_only import check_adapter_weights, refuse_pickled_weights_in
+from .weights_files import check_adapter_weights, warn_if_two_weights_files
 
 _UPGRADE = "It was probably written by a newer version; upgrade with `pip install -U {package}`."
 
@@ -58,10 +58,11 @@ class BituneConfigFileMixin:
         return super().from_json_file(path_json_file, **kwargs)
 
     def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
-        """Write `adapter_config.json` and the model card, in a folder that holds no pickled weights."""
-        refuse_pickled_weights_in(save_directory, f"{CONFIG_NAME} was not written.")
+        """Write `adapter_config.json` and the model card. PEFT calls this after it has written the weights, so a
+        weights file left next to them by an earlier save is found here."""
         super().save_pretrained(save_directory, **kwargs)
         write_model_card(save_directory, self, location=str(save_directory))
+        warn_if_two_weights_files(str(save_directory))
 
 
 def _check_json_object(path: str) -> None:

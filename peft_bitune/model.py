@@ -39,7 +39,6 @@ from .passes import BitunePasses
 from .persistence import BituneCheckpointMixin
 from .quantization import check_quantized_base, prepare_quantized_layers
 from .routing import LayerRouter
-from .safetensors_only import stop_watching, watch_for_peft_model
 
 
 class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMixin, BaseTuner):
@@ -62,10 +61,6 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
     target_module_mapping: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------------ construction
-    def __init__(self, model: nn.Module, peft_config: Any, adapter_name: str = "default", **kwargs: Any) -> None:
-        super().__init__(model, peft_config, adapter_name, **kwargs)
-        watch_for_peft_model(self)  # the PeftModel it is attached to must refuse pickled saves
-
     def inject_adapter(
         self,
         model: nn.Module,
@@ -236,7 +231,6 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
         self._apply_trainable_state()
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
-        stop_watching(self)  # PEFT calls this right after attaching the tuner to its PeftModel
         for name in set(self._inner_names(adapter_name).values()):
             self._inner_tuner._cast_adapter_dtype(name, autocast_adapter_dtype=autocast_adapter_dtype)
 

@@ -166,7 +166,7 @@ def _forget_refused_adapter(model: nn.Module, adapter_name: str, config: Any) ->
     first adapter, into the caller's base model: its layers are taken out again (`unload`), so that the base model can
     be used again as it was. An adapter that existed before the load (the Trainer's resuming loads into the adapter it
     trains) keeps the weights it had. A file PEFT cannot read at all is refused before PEFT adds the adapter
-    (`BituneConfig.from_pretrained`, see `safetensors_only.check_adapter_weights`).
+    (`BituneConfig.from_pretrained`, see `weights_files.check_adapter_weights`).
     """
     if not vars(config).pop(_ADDED_TO_LOAD, False) or adapter_name not in getattr(model, "peft_config", {}):
         return

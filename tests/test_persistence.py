@@ -3,17 +3,17 @@ an offline Hugging Face cache), several adapters in one model, the model card, a
 
 from __future__ import annotations
 
-import copy
-import gc
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ import torch
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, RepoUrl
 from huggingface_hub.errors import EntryNotFoundError
 from peft import AutoPeftModelForCausalLM, IA3Config, LoraConfig, PeftModel
+from peft.utils import load_peft_weights
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -729,32 +730,140 @@ def test_an_unknown_config_field_is_refused_with_the_upgrade_hint(load_base, tmp
         PeftModel.from_pretrained(load_base("llama"), tmp_path)
 
 
-def test_pickled_weights_are_never_written_or_read(load_base, tmp_path):
+# ---------------------------------------------------------------------------------------------------- pickled weights
+def pickle_and_safetensors_saves(model, tmp_path: Path) -> tuple[Path, Path]:
+    model.save_pretrained(tmp_path / "safe")
+    model.save_pretrained(tmp_path / "pickled", safe_serialization=False)
+    return tmp_path / "safe", tmp_path / "pickled"
+
+
+def test_a_pickled_save_is_written_as_peft_writes_it_and_loads_back_exactly(load_base, tmp_path):
+    """`safe_serialization=False` is PEFT's own save (see weights_files.py): the same checkpoint, as a pickle, which
+    loads back with both weight sets and the mixing scalars exactly, under any adapter name."""
     model = build(load_base, "lora")
-    with pytest.raises(ValueError, match="safetensors only"):
-        model.save_pretrained(tmp_path / "bin", safe_serialization=False)
-    assert not (tmp_path / "bin").exists()  # refused before PEFT wrote anything (its README, the pickle)
-    model.save_pretrained(tmp_path / "bin")
-    assert sorted(os.listdir(tmp_path / "bin")) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
-    with pytest.raises(ValueError, match="safetensors only"):
-        copy.deepcopy(model).save_pretrained(tmp_path / "copy", False)  # positional, and on a copy of the model
-    assert not (tmp_path / "copy").exists()
-    # A folder that already holds a pickle is refused before anything is written into it.
-    (tmp_path / "stale").mkdir()
-    (tmp_path / "stale" / "adapter_model.bin").write_bytes(b"old")
-    with pytest.raises(ValueError, match="holds adapter_model.bin"):
-        model.save_pretrained(tmp_path / "stale")
-    assert os.listdir(tmp_path / "stale") == ["adapter_model.bin"]
+    safe, pickled = pickle_and_safetensors_saves(model, tmp_path)
+    assert sorted(os.listdir(pickled)) == ["README.md", "adapter_config.json", "adapter_model.bin"]
+    written = torch.load(pickled / "adapter_model.bin", weights_only=True)
+    expected = load_file(safe / "adapter_model.safetensors")
+    assert written.keys() == expected.keys() and all(torch.equal(written[key], expected[key]) for key in expected)
 
-    model.save_pretrained(tmp_path / "pickle")
-    (tmp_path / "pickle" / "adapter_model.safetensors").unlink()
-    # Not even a valid pickle: reading it would fail differently.
-    (tmp_path / "pickle" / "adapter_model.bin").write_bytes(b"\x80\x04 not a pickle")
-    with pytest.raises(ValueError, match="never reads"):
-        PeftModel.from_pretrained(load_base("llama"), tmp_path / "pickle")
+    want = adapter_tensors(model)
+    assert any(".default__bidirectional." in name for name in want)
+    assert {"base_model.bitune_mixers.default.key_weights", "base_model.bitune_mixers.default.value_weights"} <= set(
+        want
+    )
+    loaded = PeftModel.from_pretrained(load_base("llama"), pickled)
+    got = adapter_tensors(loaded)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    inputs = batch()
+    assert_identical(outputs(loaded, inputs), outputs(model, inputs))
+
+    loaded.load_adapter(str(pickled), adapter_name="second")
+    second = {to_checkpoint_key(name, "second"): value for name, value in adapter_tensors(loaded, "second").items()}
+    assert second.keys() == expected.keys()
+    assert all(torch.equal(second[key], expected[key]) for key in expected)
 
 
-# torch's registry of module-registration hooks: the saving guard must not stay in it (see safetensors_only.py).
+def test_a_folder_with_both_weights_files_warns_that_the_pickle_is_ignored(load_base, tmp_path):
+    model = build(load_base, "lora")
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="holds both adapter_model.safetensors and adapter_model.bin.*reads "
+                                         "adapter_model.safetensors and ignores adapter_model.bin"):
+        model.save_pretrained(tmp_path, safe_serialization=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.save_pretrained(tmp_path / "alone", safe_serialization=False)
+
+
+class RunsCode:
+    """Unpickling this runs `code`, as a malicious `adapter_model.bin` would."""
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+
+    def __reduce__(self):
+        return exec, (self.code,)
+
+
+UNSAFE_WRITERS = {"torch.save": torch.save, "pickle.dump": lambda obj, path: path.write_bytes(pickle.dumps(obj))}
+UNSAFE_READERS = {  # reading without `weights_only`: runs the payload, so that the test would see it run
+    "torch.save": lambda path: torch.load(path, weights_only=False),
+    "pickle.dump": lambda path: pickle.loads(path.read_bytes()),
+}
+
+
+@pytest.mark.parametrize("writer", list(UNSAFE_WRITERS))
+def test_an_unsafe_pickle_is_refused_on_loading_and_never_run(load_base, tmp_path, writer):
+    model = build(load_base, "lora")
+    _, folder = pickle_and_safetensors_saves(model, tmp_path)
+    path, marker = folder / "adapter_model.bin", tmp_path / "payload-ran"
+    weights = torch.load(path, weights_only=True)
+    UNSAFE_WRITERS[writer]({**weights, "payload": RunsCode(f"open({str(marker)!r}, 'w').write('ran')")}, path)
+
+    # PEFT's own loader reads it with torch.load(weights_only=True), which refuses it without running it ...
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_peft_weights(str(folder))
+    assert not marker.exists()
+    # ... but only after PEFT has added the adapter: the check on loading refuses it before.
+    base = load_base("llama")
+    names = [name for name, _ in base.named_modules()]
+    refused = rf"'{re.escape(str(path))}' is refused by `torch.load\(weights_only=True\)`.*Nothing was loaded"
+    with pytest.raises(ValueError, match=refused) as error:
+        PeftModel.from_pretrained(base, folder)
+    assert "safe_globals" not in str(error.value) and "weights_only=False" not in str(error.value)  # torch's advice
+    assert [name for name, _ in base.named_modules()] == names
+    keys = set(model.state_dict())
+    with pytest.raises(ValueError, match=refused):
+        model.load_adapter(str(folder), adapter_name="second")
+    assert list(model.peft_config) == ["default"] and set(model.state_dict()) == keys
+    assert not marker.exists()
+
+    assert UNSAFE_READERS[writer](path)["payload"] is None  # what `exec` returned, after it ran the payload
+    assert marker.read_text() == "ran"
+
+
+def truncated_pickle(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def pickled_list(path: Path) -> None:
+    torch.save(list(torch.load(path, weights_only=True).values()), path)
+
+
+def pickle_made_a_folder(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def dangling_pickle_link(path: Path) -> None:
+    path.unlink()
+    path.symlink_to(path.parent / "moved-away.bin")
+
+
+BROKEN_PICKLES = {
+    truncated_pickle: "is not a complete pickle of weights .*; it is truncated, empty or damaged",
+    pickled_list: "holds a list that is not the adapter's weights",
+    pickle_made_a_folder: "is a folder; it must be the adapter's weights file",
+    dangling_pickle_link: r"is a symbolic link to .*moved-away.bin', which does not exist",
+}
+
+
+@pytest.mark.parametrize("breakage", list(BROKEN_PICKLES), ids=lambda f: f.__name__)
+def test_a_pickle_peft_could_not_read_is_refused_before_the_adapter_is_added(load_base, tmp_path, breakage):
+    _, folder = pickle_and_safetensors_saves(build(load_base, "lora"), tmp_path)
+    path = folder / "adapter_model.bin"
+    breakage(path)
+    base = load_base("llama")
+    names = [name for name, _ in base.named_modules()]
+    refused = rf"'{re.escape(str(path))}'.* {BROKEN_PICKLES[breakage]}.*Nothing was loaded"
+    with pytest.raises(ValueError, match=refused):
+        PeftModel.from_pretrained(base, folder)
+    assert [name for name, _ in base.named_modules()] == names
+
+
+# torch's registry of module-registration hooks, which applies to every module of the process: peft-bitune adds none.
 REGISTRATION_HOOKS = torch.nn.modules.module._global_module_registration_hooks
 
 
@@ -770,22 +879,32 @@ def test_importing_registers_no_module_registration_hook():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_the_saving_guard_hooks_in_only_while_peft_attaches_the_tuner(load_base, tmp_path):
+class RecordingHooks(OrderedDict):
+    """torch's registry of module-registration hooks, recording every hook added to it, even one removed again."""
+
+    def __init__(self, hooks: dict) -> None:
+        super().__init__(hooks)
+        self.added: list = []
+
+    def __setitem__(self, key, value) -> None:
+        self.added.append(value)
+        super().__setitem__(key, value)
+
+
+def test_building_saving_and_loading_bitune_models_registers_no_module_registration_hook(
+    load_base, tmp_path, monkeypatch
+):
     before = dict(REGISTRATION_HOOKS)
-    model = build(load_base, "lora")
-    assert dict(REGISTRATION_HOOKS) == before  # removed once the PeftModel had the tuner
-    with pytest.raises(ValueError, match="safetensors only"):
-        model.save_pretrained(tmp_path / "bin", safe_serialization=False)  # and the PeftModel has its guard
-    model.save_pretrained(tmp_path / "saved")
-    model.load_adapter(str(tmp_path / "saved"), adapter_name="second")
-    assert dict(REGISTRATION_HOOKS) == before
-    # A tuner built without a PeftModel leaves a hook that does nothing; the next tuner built removes it once it is
-    # gone.
-    BituneModel(load_base("llama"), BituneConfig(), "default")
-    gc.collect()
-    assert len(REGISTRATION_HOOKS) == len(before) + 1
-    build(load_base, "lora")
-    assert dict(REGISTRATION_HOOKS) == before
+    recording = RecordingHooks(REGISTRATION_HOOKS)
+    monkeypatch.setattr(torch.nn.modules.module, "_global_module_registration_hooks", recording)
+    BituneModel(load_base("llama"), BituneConfig(), "default")  # a tuner never attached to a PeftModel
+    assert dict(recording) == before
+    models = [build(load_base, "lora", seed=seed) for seed in range(3)]
+    _, pickled = pickle_and_safetensors_saves(models[0], tmp_path)
+    models[1].load_adapter(str(pickled), adapter_name="second")
+    PeftModel.from_pretrained(load_base("llama"), tmp_path / "safe")
+    assert recording.added == []
+    assert dict(recording) == before
 
 
 def test_inner_modules_to_save_are_refused_rather_than_left_out():
@@ -795,22 +914,20 @@ def test_inner_modules_to_save_are_refused_rather_than_left_out():
         BituneConfig(adapter_config=config)
 
 
-def test_pickled_weights_in_a_hub_repo_are_refused_too(tmp_path, monkeypatch):
+def test_pickled_weights_in_a_hub_repo_load_like_a_local_pickled_save(load_base, tmp_path, monkeypatch):
     import huggingface_hub
 
-    from peft_bitune.safetensors_only import has_only_pickled_weights
-
-    cache, pickled, safe = tmp_path / "cache", tmp_path / "pickled", tmp_path / "safe"
-    for folder, weights in ((pickled, "adapter_model.bin"), (safe, "adapter_model.safetensors")):
-        folder.mkdir()
-        (folder / "adapter_config.json").write_text("{}")
-        (folder / weights).write_bytes(b"weights")
+    model = build(load_base, "lora")
+    safe, pickled = pickle_and_safetensors_saves(model, tmp_path)
+    cache = tmp_path / "cache"
     write_hub_snapshot(cache, "user/adapter", safe, commit_hash("safe"), refs=("main",))
     write_hub_snapshot(cache, "user/adapter", pickled, commit_hash("pickled"), refs=("old",))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    assert not has_only_pickled_weights("user/adapter", cache_dir=str(cache))
-    assert has_only_pickled_weights("user/adapter", cache_dir=str(cache), revision="old")
-    assert has_only_pickled_weights("user/adapter", cache_dir=str(cache), revision=commit_hash("pickled"))
+    want = adapter_tensors(model)
+    for revision in ("old", commit_hash("pickled"), None):
+        loaded = PeftModel.from_pretrained(load_base("llama"), "user/adapter", cache_dir=str(cache), revision=revision)
+        got = adapter_tensors(loaded)
+        assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want), revision
 
 
 def test_biases_trained_by_the_inner_method_round_trip(load_base, tmp_path):

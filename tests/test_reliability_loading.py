@@ -64,7 +64,7 @@ BROKEN_WEIGHTS = {
     truncated: "is not a complete safetensors file .*incomplete metadata.*truncated, empty or damaged",
     emptied: "is not a complete safetensors file .*header too small",
     header_corrupted: "is not a complete safetensors file .*invalid JSON in header",
-    removed: f"it has no {WEIGHTS}, only its config",
+    removed: rf"it has no {WEIGHTS} \(nor adapter_model.bin\), only its config",
     dangling_link: "is a symbolic link to .*moved-away.safetensors', which does not exist",
     made_a_folder: "is a folder; it must be the adapter's weights file",
 }

@@ -39,7 +39,7 @@ from peft_bitune.callbacks import BituneMixingWarmupCallback, gathered_mixing_sc
 from peft_bitune.common import IGNORE_INDEX
 from peft_bitune.lookup import find_bitune_tuner
 from peft_bitune.optimizers import bitune_parameter_groups
-from peft_bitune.safetensors_only import safetensors_problem
+from peft_bitune.weights_files import safetensors_problem
 
 from .checks import (
     FORMATS_THAT_WORK,
