@@ -303,7 +303,8 @@ def merge_remeasured(earlier: dict, remeasured: dict) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     shapes = {**REAL_SHAPES, **TINY_SHAPES}
-    parser.add_argument("--shapes", nargs="+", default=[*FULL_DEPTH, *EXTRAPOLATED], choices=sorted(shapes))
+    parser.add_argument("--shapes", nargs="+", choices=sorted(shapes),
+                        help=f"default: {' '.join([*FULL_DEPTH, *EXTRAPOLATED])} (with --remeasure: the report's)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2],
                         help="layer counts for the extrapolated shapes (default 1 2)")
@@ -321,9 +322,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="keep the shapes --json already holds (measured with the same settings) and measure only "
                              "the others: a run stopped part-way (killed, out of memory) goes on in a fresh process")
     parser.add_argument("--remeasure", nargs="+", choices=METHODS, metavar="METHOD",
-                        help="measure these methods again on every shape of the report --json holds (measured with "
-                             "the same settings), keeping the other methods' figures: after a change to one method's "
-                             "code, only its rows change (recorded in the report's `remeasured`)")
+                        help="measure these methods again on the shapes of the report --json holds (measured with "
+                             "the same settings; all, or those of --shapes), keeping the other methods' figures: "
+                             "after a change to one method's code, only its rows change (recorded in the report's "
+                             "`remeasured`)")
     args = parser.parse_args(argv)
     if args.json is not None and not args.json.parent.is_dir():
         parser.error(f"--json: the folder {args.json.parent} does not exist; create it or write elsewhere.")
@@ -339,7 +341,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--layers needs two different layer counts of at least 1 to extrapolate, got {args.layers}.")
     if min(args.batch, args.prompt, args.answer) < 1 or args.prompt < 2:
         parser.error("--batch and --answer must be at least 1 and --prompt at least 2 (Bitune mixes P - 1 tokens).")
-    args.shapes = [shapes[name] for name in args.shapes]
+    args.shapes_given = args.shapes is not None
+    args.shapes = [shapes[name] for name in (args.shapes or [*FULL_DEPTH, *EXTRAPOLATED])]
     return args
 
 
@@ -377,16 +380,22 @@ def main(argv: list[str] | None = None) -> dict:
 
 def remeasure(args: argparse.Namespace, report: dict, device: torch.device, dtype: torch.dtype,
               batch_shape: tuple[int, int, int]) -> dict:
-    """`--remeasure`: the report in `--json`, its `--remeasure` methods measured again on each of its shapes, the
-    report written back after each shape."""
+    """`--remeasure`: the report in `--json`, its `--remeasure` methods measured again on each of its shapes (those of
+    `--shapes` only, where given), the report written back after each shape."""
     earlier = json.loads(args.json.read_text())
     if earlier.get("settings") != report["settings"]:
         raise SystemExit(f"--remeasure: the report was measured with other settings ({earlier.get('settings')}) "
                          f"than these ({report['settings']}); give the same options it was measured with.")
     shapes = {**REAL_SHAPES, **TINY_SHAPES}
     methods = tuple(method for method in METHODS if method in args.remeasure)
+    asked = [shape.name for shape in args.shapes] if args.shapes_given else list(earlier["shapes"])
+    missing = [name for name in asked if name not in earlier["shapes"]]
+    if missing:
+        raise SystemExit(f"--remeasure: the report holds no {', '.join(missing)}; measure new shapes with --resume.")
     earlier["remeasured"] = {"methods": list(methods), "environment": report["environment"]}
     for name, result in earlier["shapes"].items():
+        if name not in asked:
+            continue
         layer_counts = result["measured_layers"] if result["extrapolated"] else None
         new = measure_shape(shapes[name], layer_counts, batch_shape, device, dtype, args.arithmetic == "skip",
                             args.memory_cap_gib, methods)

@@ -312,7 +312,8 @@ def test_training_memory_remeasures_one_method_and_keeps_the_others(tmp_path, ca
             before["bitune_excess_over_lora"]["_checkpointing"]["bytes"] - 1000)
     for argv, words in ((["--remeasure", "bitune"], "give that report's file as --json"),
                         ([*small, "--remeasure", "bitune", "--resume"], "cannot be combined"),
-                        ([*small, "--batch", "3", "--remeasure", "bitune"], "other settings")):
+                        ([*small, "--batch", "3", "--remeasure", "bitune"], "other settings"),
+                        (["--shapes", "tiny-llama", *small, "--remeasure", "bitune"], "holds no tiny-llama")):
         with pytest.raises(SystemExit) as exited:
             training_memory.main(argv)
         assert words in capsys.readouterr().err + str(exited.value)
