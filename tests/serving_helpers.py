@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from peft_bitune.serving.app import ChatCompletions
 from peft_bitune.serving.engine import ChatEngine
+from peft_bitune.serving.streaming import TextStream
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "examples", "miniature", "base")
@@ -113,3 +114,14 @@ def greedy_by_the_training_forward(model, prompt, max_tokens: int, eos_ids: set[
             logits = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).logits
         answer.append(int(logits[0, -2].argmax()))
     return answer
+
+
+def streamed_pieces(tokenizer, token_ids: list[int]) -> list[str]:
+    """The pieces of text a `TextStream` hands out for `token_ids`, put one by one after a prompt (not streamed)."""
+    pieces = []
+    stream = TextStream(tokenizer, pieces.append)
+    stream.put(torch.tensor([[1, 2, 3]]))  # the prompt: not streamed
+    for token in token_ids:
+        stream.put(torch.tensor([token]))
+    stream.end()
+    return pieces

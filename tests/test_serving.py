@@ -27,7 +27,7 @@ from peft_bitune.serving.conversations import reusable_prefix  # noqa: E402
 from peft_bitune.serving.engine import ChatEngine  # noqa: E402
 from peft_bitune.serving.prompts import Prompt, PromptBuilder, PromptLayoutError  # noqa: E402
 from peft_bitune.serving.server import serving_in_thread  # noqa: E402
-from peft_bitune.serving.streaming import StopTextFilter, TextStream, cut_at_stop  # noqa: E402
+from peft_bitune.serving.streaming import StopTextFilter, cut_at_stop  # noqa: E402
 from peft_bitune.serving.validation import OpenAIError  # noqa: E402
 from reference import make_bitune  # noqa: E402
 from serving_helpers import (  # noqa: E402
@@ -44,6 +44,7 @@ from serving_helpers import (  # noqa: E402
     get_json,
     greedy_by_the_training_forward,
     load_model,
+    streamed_pieces,
     user,
 )
 
@@ -404,12 +405,7 @@ def test_the_stream_decodes_incrementally_exactly_as_the_whole_answer(serving_to
     tokenizer = serving_tokenizer
     text = "héllo wörld 日本 </s>, done"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    pieces = []
-    stream = TextStream(tokenizer, pieces.append)
-    stream.put(torch.tensor([[1, 2, 3]]))  # the prompt: not streamed
-    for token in ids:
-        stream.put(torch.tensor([token]))
-    stream.end()
+    pieces = streamed_pieces(tokenizer, ids)
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
     assert all("\ufffd" not in piece for piece in pieces)  # a character split over tokens waits for its last byte
     assert len(pieces) > 5  # piece by piece, not at the end

@@ -5,11 +5,11 @@ where `cut_at_stop` finds them in that decoding."""
 from __future__ import annotations
 
 import pytest
-import torch
 from tokenizers import Tokenizer, decoders, models
 from tokenizers.decoders import DecodeStream
 
-from peft_bitune.serving.streaming import IncrementalDecoder, StopStrings, TextStream, answer_text, cut_at_stop
+from peft_bitune.serving.streaming import IncrementalDecoder, StopStrings, answer_text, cut_at_stop
+from serving_helpers import streamed_pieces
 
 # Emoji (4 bytes of UTF-8) and CJK (3 bytes), which the miniature's byte-level BPE splits over several tokens.
 MULTI_BYTE = "Bonjour 😀 世界 </s>— ok 🎉日本語!"
@@ -21,16 +21,6 @@ class PythonOnlyTokenizer:
 
     def __init__(self, tokenizer):
         self.decode = tokenizer.decode
-
-
-def streamed_pieces(tokenizer, token_ids: list[int]) -> list[str]:
-    pieces = []
-    stream = TextStream(tokenizer, pieces.append)
-    stream.put(torch.tensor([[1, 2, 3]]))  # the prompt: not streamed
-    for token in token_ids:
-        stream.put(torch.tensor([token]))
-    stream.end()
-    return pieces
 
 
 @pytest.fixture(scope="module")
