@@ -170,7 +170,7 @@ def to_precision(model, dtype) -> None:
     `BituneSFTTrainer` keeps them), and go to float64 with the rest for a reference."""
     import torch
 
-    from peft_bitune.lookup import find_bitune_tuner
+    from peft_bitune.tuner.find_tuner import find_bitune_tuner
 
     bitune = find_bitune_tuner(model)
     mixers = {name: p.detach().clone() for name, p in bitune.bitune_mixers.named_parameters()} if bitune else {}
@@ -186,7 +186,7 @@ def loss_of(model, batch: dict):
     import torch
     from torch.nn import functional as F
 
-    from peft_bitune.lookup import find_bitune_tuner
+    from peft_bitune.tuner.find_tuner import find_bitune_tuner
 
     if find_bitune_tuner(model) is not None:
         return model(**batch).loss

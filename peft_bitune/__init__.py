@@ -3,18 +3,18 @@ weights), mixes the two KV caches with learned per-layer scalars, and trains and
 
 Importing this package registers the "BITUNE" PEFT type, which `PeftModel.from_pretrained` needs to load an adapter.
 It installs no hook. Adapters are saved by PEFT (safetensors by default, a pickle with `safe_serialization=False`),
-and their weights files are checked before PEFT loads them (`weights_files.py`).
+and their weights files are checked before PEFT loads them (`persistence/weights_files.py`).
 """
 
-from .caches import BituneCache
-from .callbacks import BituneMixingCallback, BituneMixingWarmupCallback
-from .common import BIDIRECTIONAL, CAUSAL, inner_adapter_name
-from .config import BituneConfig
-from .hub import push_to_hub
-from .mixing import BituneKVMixer, mix_key_values
-from .model import BituneModel
-from .optimizers import bitune_parameter_groups, create_bitune_optimizer
+from .constants import BIDIRECTIONAL, CAUSAL, inner_adapter_name
+from .persistence.hub import push_to_hub
 from .registration import register_bitune
+from .training.callbacks import BituneMixingCallback, BituneMixingWarmupCallback
+from .training.optimizers import bitune_parameter_groups, create_bitune_optimizer
+from .tuner.caches import BituneCache
+from .tuner.config import BituneConfig
+from .tuner.mixing import BituneKVMixer, mix_key_values
+from .tuner.model import BituneModel
 
 __all__ = [
     "BIDIRECTIONAL",

@@ -11,9 +11,9 @@ from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 from peft.utils import register_peft_method
 
 from . import compat
-from .common import BITUNE_PREFIX, BITUNE_TYPE_NAME
-from .config import BituneConfig
-from .model import BituneModel
+from .constants import BITUNE_PREFIX, BITUNE_TYPE_NAME
+from .tuner.config import BituneConfig
+from .tuner.model import BituneModel
 
 
 def register_bitune() -> None:

@@ -131,11 +131,11 @@ class LocalHubApi:
 @pytest.fixture
 def workspace(tmp_path, monkeypatch):
     """A scratch folder that looks like the repository root to the blocks, with the Hub stand-in installed."""
-    import peft_bitune.hub
+    import peft_bitune.persistence.hub
 
     (tmp_path / "examples").symlink_to(EXAMPLES, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(peft_bitune.hub, "HfApi", LocalHubApi)
+    monkeypatch.setattr(peft_bitune.persistence.hub, "HfApi", LocalHubApi)
     return tmp_path
 
 

@@ -7,8 +7,8 @@ import torch
 from peft import AdaLoraConfig, LoraConfig, PromptTuningConfig, get_peft_model
 
 from peft_bitune import BituneConfig
-from peft_bitune.common import has_holes
-from peft_bitune.passes import BitunePasses
+from peft_bitune.tuner.checks import has_holes
+from peft_bitune.tuner.passes import BitunePasses
 from reference import make_bitune
 from tiny_models import VOCAB
 

@@ -332,7 +332,7 @@ def test_checkpointing_holds_the_prompt_records_not_their_mix(load_base, monkeyp
     """Under activation checkpointing, what a training step holds for its backward is the two prompt passes' keys and
     values, not their mix as well: the answer pass's layers compute the mix and recompute it in the backward. Once
     the mix's backward has run, nothing holds the prompt records any more while the prompt passes back-propagate."""
-    from peft_bitune import caches
+    from peft_bitune.tuner import caches
 
     mixes, records, record_count, checked = [], [], [0], []
     mix = caches.mix_key_values

@@ -7,7 +7,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from peft_bitune import compat
-from peft_bitune.passes import BitunePasses
+from peft_bitune.tuner.passes import BitunePasses
 from reference import left_padded, make_bitune, reference_greedy, reference_prefill
 from tiny_models import ATTENTION_CASES, VOCAB
 

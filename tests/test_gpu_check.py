@@ -192,7 +192,7 @@ def test_per_layer_extrapolation_reaches_the_peak_measured_at_full_depth():
 def test_the_floor_is_what_the_prompt_passes_record(monkeypatch):
     """`prompt_caches_bytes` is derived from the config; here it is counted: the bytes of every key and value tensor
     the prompt passes of a Bitune step record, on a grouped-query Llama and a multi-query Gemma."""
-    from peft_bitune.caches import PassCacheLayer
+    from peft_bitune.tuner.caches import PassCacheLayer
 
     recorded = []
     update = PassCacheLayer.update

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from peft_bitune.passes import BitunePasses
+from peft_bitune.tuner.passes import BitunePasses
 from reference import make_bitune, reference_alternating, reference_row
 from tiny_models import VOCAB
 

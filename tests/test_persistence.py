@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import peft_bitune
 from peft_bitune import BituneConfig, BituneModel
-from peft_bitune.hub import push_to_hub
+from peft_bitune.persistence.hub import push_to_hub
 from reference import make_bitune
 from tiny_models import COMMON, VOCAB
 

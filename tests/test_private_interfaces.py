@@ -14,8 +14,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from bitsandbytes_support import why_bitsandbytes_cannot_run
 from peft_bitune import BituneConfig, compat
-from peft_bitune.caches import pass_cache
-from peft_bitune.common import BITUNE_TYPE_NAME, inner_adapter_name, num_layers
+from peft_bitune.constants import BITUNE_TYPE_NAME, inner_adapter_name
+from peft_bitune.tuner.caches import pass_cache
+from peft_bitune.utils.model_config import num_layers
 from reference import make_bitune
 from tiny_models import VOCAB
 

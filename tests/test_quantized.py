@@ -193,7 +193,7 @@ def test_a_4bit_base_trains_like_a_float_base_holding_its_dequantized_weights(sa
 def test_training_after_generation_gets_the_gradients_of_a_fresh_model(saved_models):
     """bitsandbytes repacks a 4-bit layer for its CPU inference kernel the first time it runs without gradients, after
     which it passes no gradient to its input; Bitune keeps the layers out of that layout (see
-    `peft_bitune.quantization.prepare_quantized_layers`)."""
+    `peft_bitune.tuner.quantization.prepare_quantized_layers`)."""
     _, batch, _ = make_batch("right")
     fresh = quantized_bitune(saved_models, "llama", "nf4")
     fresh.train()
@@ -398,7 +398,7 @@ def test_loading_such_an_adapter_onto_a_quantized_base_is_refused_too(load_base,
 
 def test_the_refusal_still_has_a_reason_plain_peft_loha_fails_over_a_4bit_layer(saved_models):
     """If PEFT learns to wrap 4-bit layers with LoHa, this fails: then check LoHa against the de-quantized weights, as
-    above, and accept it in `peft_bitune.quantization.QUANTIZED_BASE_METHODS`."""
+    above, and accept it in `peft_bitune.tuner.quantization.QUANTIZED_BASE_METHODS`."""
     model = get_peft_model(load_quantized(saved_models["llama"], "nf4"),
                            LoHaConfig(target_modules=["q_proj", "v_proj"], init_weights=False))
     with pytest.raises(RuntimeError):

@@ -1,5 +1,5 @@
 """The recipe options beyond the paper: mixing only some layers (`BituneConfig.mixed_layers`), a learning rate per part
-of the adapter (`peft_bitune.optimizers`, `BituneSFTConfig.*_lr_ratio`) and a mixing warm-up
+of the adapter (`peft_bitune.training.optimizers`, `BituneSFTConfig.*_lr_ratio`) and a mixing warm-up
 (`BituneSFTConfig.mixing_warmup_steps`). Each is checked against the per-row reference, and each default keeps the
 paper's behaviour."""
 

@@ -20,7 +20,6 @@ pytest.importorskip("fastapi", reason="the serving tests need the `serve` extra"
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from peft_bitune.caches import BituneCache  # noqa: E402
 from peft_bitune.serving import ConversationStore, KeptConversation  # noqa: E402
 from peft_bitune.serving.app import ChatCompletions, build_app  # noqa: E402
 from peft_bitune.serving.conversations import reusable_prefix  # noqa: E402
@@ -29,6 +28,7 @@ from peft_bitune.serving.prompts import Prompt, PromptBuilder, PromptLayoutError
 from peft_bitune.serving.server import serving_in_thread  # noqa: E402
 from peft_bitune.serving.streaming import StopTextFilter, cut_at_stop  # noqa: E402
 from peft_bitune.serving.validation import OpenAIError  # noqa: E402
+from peft_bitune.tuner.caches import BituneCache  # noqa: E402
 from reference import make_bitune  # noqa: E402
 from serving_helpers import (  # noqa: E402
     BASE,

@@ -13,7 +13,7 @@ import trl.chat_template_utils as trl_templates  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import trl_helpers as helpers  # noqa: E402
-from peft_bitune.common import IGNORE_INDEX  # noqa: E402
+from peft_bitune.constants import IGNORE_INDEX  # noqa: E402
 from peft_bitune.serving.app import ChatCompletions  # noqa: E402
 from peft_bitune.serving.engine import ChatEngine  # noqa: E402
 from peft_bitune.serving.prompts import PromptBuilder  # noqa: E402

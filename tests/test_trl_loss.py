@@ -13,7 +13,7 @@ from transformers.trainer_pt_utils import LabelSmoother
 
 import trl_helpers as helpers
 from peft_bitune import BituneConfig
-from peft_bitune.common import IGNORE_INDEX
+from peft_bitune.constants import IGNORE_INDEX
 from reference import reference_alternating, reference_row
 from trl_helpers import (
     first_batch,

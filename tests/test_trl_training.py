@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, 
 
 import trl_helpers as helpers
 from peft_bitune import BituneMixingCallback, BituneModel
-from peft_bitune.common import IGNORE_INDEX
+from peft_bitune.constants import IGNORE_INDEX
 from peft_bitune.visualize import mixing_history
 from trl_helpers import (
     adapter_state,

@@ -26,7 +26,8 @@ from transformers.trainer import OPTIMIZER_NAME
 from trl.data_utils import is_conversational, is_conversational_from_value
 
 from peft_bitune import BituneConfig, BituneModel, compat
-from peft_bitune.common import IGNORE_INDEX, format_rows
+from peft_bitune.constants import IGNORE_INDEX
+from peft_bitune.utils.messages import format_rows
 
 from .config import BituneSFTConfig, refuse_packing
 

@@ -36,7 +36,7 @@ from peft import PeftConfig
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
 from peft_bitune import BituneConfig
-from peft_bitune.flag_numbers import number_problem
+from peft_bitune.utils.command_line_numbers import number_problem
 
 from .config import BituneSFTConfig
 

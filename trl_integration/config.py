@@ -9,8 +9,8 @@ from transformers import TrainingArguments
 from trl import SFTConfig
 
 from peft_bitune import compat
-from peft_bitune.callbacks import check_warmup_steps
-from peft_bitune.optimizers import check_lr_ratio
+from peft_bitune.training.callbacks import check_warmup_steps
+from peft_bitune.training.optimizers import check_lr_ratio
 
 
 @dataclass
@@ -37,7 +37,7 @@ class BituneSFTConfig(SFTConfig):
 
         bidirectional_lr_ratio (`float`, *optional*, defaults to `1.0`):
             The bidirectional weight set trains at `learning_rate` times this (the causal set at `learning_rate`), in
-            the spirit of LoRA+; see `peft_bitune.optimizers`. Must be finite and positive.
+            the spirit of LoRA+; see `peft_bitune.training.optimizers`. Must be finite and positive.
         mixing_lr_ratio (`float`, *optional*, defaults to `1.0`):
             The mixing scalars train at `learning_rate` times this. Under Adam a step of the base rate can move an
             alpha by up to `learning_rate / mix_scale`; a ratio below 1 slows them. Must be finite and positive.

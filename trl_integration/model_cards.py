@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from peft_bitune.lookup import find_bitune_tuner
-from peft_bitune.model_card import write_trl_model_card
+from peft_bitune.persistence.model_card import write_trl_model_card
+from peft_bitune.tuner.find_tuner import find_bitune_tuner
 
 
 class BituneModelCardMixin:

@@ -1,7 +1,7 @@
 """TRL's DPO, KTO, GRPO and RLOO trainers for Bitune adapters: `BituneDPOTrainer`, `BituneKTOTrainer`,
 `BituneGRPOTrainer` and `BituneRLOOTrainer`.
 
-The Bitune forward answers TRL's fused-head call (`peft_bitune.fused_head`), so TRL's own trainers run a Bitune
+The Bitune forward answers TRL's fused-head call (`peft_bitune.tuner.fused_head`), so TRL's own trainers run a Bitune
 adapter. They would train it against the wrong reference, without a word:
 
 - given a trained adapter and no `ref_model`, TRL adds a "ref" adapter and copies the parameters whose names hold
@@ -31,8 +31,9 @@ from peft import PeftModel, get_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from trl import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer
 
-from peft_bitune.common import WEIGHT_SETS, format_rows, inner_adapter_name
-from peft_bitune.lookup import find_bitune_tuner
+from peft_bitune.constants import WEIGHT_SETS, inner_adapter_name
+from peft_bitune.tuner.find_tuner import find_bitune_tuner
+from peft_bitune.utils.messages import format_rows
 
 from .checks import bitune_peft_config, named_eval_datasets
 from .model_cards import BituneModelCardMixin

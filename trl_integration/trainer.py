@@ -35,11 +35,11 @@ from trl import SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from peft_bitune import BituneMixingCallback, BituneModel
-from peft_bitune.callbacks import BituneMixingWarmupCallback, gathered_mixing_scalars
-from peft_bitune.common import IGNORE_INDEX
-from peft_bitune.lookup import find_bitune_tuner
-from peft_bitune.optimizers import bitune_parameter_groups
-from peft_bitune.weights_files import safetensors_problem
+from peft_bitune.constants import IGNORE_INDEX
+from peft_bitune.persistence.weights_files import safetensors_problem
+from peft_bitune.training.callbacks import BituneMixingWarmupCallback, gathered_mixing_scalars
+from peft_bitune.training.optimizers import bitune_parameter_groups
+from peft_bitune.tuner.find_tuner import find_bitune_tuner
 
 from .checks import (
     FORMATS_THAT_WORK,
@@ -60,7 +60,7 @@ from .model_cards import BituneModelCardMixin
 
 OWN_OPTIMIZER_WITH_RATIOS = (
     "`bidirectional_lr_ratio` and `mixing_lr_ratio` set the learning rates of the optimizer the trainer creates, but "
-    "`optimizers` gives one of your own. Build it with `peft_bitune.optimizers.create_bitune_optimizer(model, ..., "
+    "`optimizers` gives one of your own. Build it with `peft_bitune.create_bitune_optimizer(model, ..., "
     "bidirectional_lr_ratio=..., mixing_lr_ratio=...)` and leave both ratios at 1 in the config."
 )
 
@@ -201,7 +201,7 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer, with the learning rate of each part of the adapter when
-        `args.bidirectional_lr_ratio` or `args.mixing_lr_ratio` differ from 1 (`peft_bitune.optimizers`)."""
+        `args.bidirectional_lr_ratio` or `args.mixing_lr_ratio` differ from 1 (`peft_bitune.training.optimizers`)."""
         default_rates = self.args.bidirectional_lr_ratio == 1.0 and self.args.mixing_lr_ratio == 1.0
         if self.optimizer is not None and self.optimizer is self._given_optimizer and not default_rates:
             raise ValueError(OWN_OPTIMIZER_WITH_RATIOS)  # the ratios were set after the trainer was made
@@ -254,9 +254,9 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """
         TRL's own loss and metrics (`SFTTrainer.compute_loss`) on the Bitune forward, which answers TRL's fused-head
-        call on its answer passes (`peft_bitune.fused_head`). The batch gains a `prompt_mask` read from its labels
-        (1 where they are -100): the forwards TRL makes without labels, for `compute_loss_func`, label smoothing and
-        `return_outputs`, then find the same instructions and answers as the fused call.
+        call on its answer passes (`peft_bitune.tuner.fused_head`). The batch gains a `prompt_mask` read from its
+        labels (1 where they are -100): the forwards TRL makes without labels, for `compute_loss_func`, label smoothing
+        and `return_outputs`, then find the same instructions and answers as the fused call.
         """
         if "labels" not in inputs:
             raise ValueError(

@@ -60,7 +60,7 @@ import tasks  # noqa: E402
 from peft_bitune import BituneConfig, compat  # noqa: E402
 from peft_bitune.evaluation.answers import answers_match  # noqa: E402
 from peft_bitune.evaluation.harness import BituneLM  # noqa: E402
-from peft_bitune.lookup import find_bitune_tuner  # noqa: E402
+from peft_bitune.tuner.find_tuner import find_bitune_tuner  # noqa: E402
 from trl_integration import BituneSFTConfig, BituneSFTTrainer  # noqa: E402
 
 BASE = Path(__file__).parent / "base"

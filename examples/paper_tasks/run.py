@@ -69,7 +69,7 @@ from peft_bitune import BituneConfig, compat
 from peft_bitune.evaluation import wheel_data
 from peft_bitune.evaluation.harness import BituneLM, PrefillOnceLM
 from peft_bitune.evaluation.tasks import PAPER_TASKS
-from peft_bitune.lookup import find_bitune_tuner
+from peft_bitune.tuner.find_tuner import find_bitune_tuner
 from trl_integration import BituneSFTConfig, BituneSFTTrainer
 
 EXAMPLES = Path(__file__).resolve().parents[1]

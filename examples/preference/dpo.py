@@ -66,7 +66,7 @@ from trl import DPOConfig, DPOTrainer
 from peft_bitune import compat
 from peft_bitune.evaluation import wheel_data
 from peft_bitune.evaluation.tasks import PAPER_TASKS
-from peft_bitune.lookup import find_bitune_tuner
+from peft_bitune.tuner.find_tuner import find_bitune_tuner
 from trl_integration import BituneDPOTrainer
 
 HERE = Path(__file__).resolve().parent

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from ..flag_numbers import INT64_RANGE
+from ..utils.command_line_numbers import INT64_RANGE
 from . import TASKS_DIR, wheel_data
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ def _is_bitune_adapter(path: str) -> bool:
     harness then reports that itself)."""
     from peft import PeftConfig
 
-    from ..common import is_bitune_type
+    from ..constants import is_bitune_type
 
     try:
         return is_bitune_type(PeftConfig.from_pretrained(path).peft_type)

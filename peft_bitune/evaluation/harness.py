@@ -37,9 +37,9 @@ from tqdm import tqdm
 from transformers.cache_utils import Cache, DynamicCache
 
 from .. import compat
-from ..common import CAUSAL, is_bitune_type, peft_type_name
-from ..inputs import positions_for
-from ..lookup import require_bitune_tuner
+from ..constants import CAUSAL, is_bitune_type, peft_type_name
+from ..tuner.checks import positions_for
+from ..tuner.find_tuner import require_bitune_tuner
 
 logger = logging.getLogger(__name__)
 

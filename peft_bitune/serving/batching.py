@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import StoppingCriteria
 
-from ..caches import BituneCache, append_key_values
+from ..tuner.caches import BituneCache, append_key_values
 from .streaming import StopStrings
 
 

@@ -22,8 +22,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..common import is_bitune_type, peft_type_name
-from ..flag_numbers import number_problem
+from ..constants import is_bitune_type, peft_type_name
+from ..utils.command_line_numbers import number_problem
 from .settings import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_BATCH_TOKENS,

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from ..caches import BituneCache
+from ..tuner.caches import BituneCache
 from .prompts import Prompt
 
 

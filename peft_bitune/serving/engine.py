@@ -27,9 +27,9 @@ import torch
 from transformers import StoppingCriteriaList
 
 from .. import compat
-from ..caches import BituneCache
-from ..common import max_positions
-from ..lookup import find_bitune_tuner
+from ..tuner.caches import BituneCache
+from ..tuner.find_tuner import find_bitune_tuner
+from ..utils.model_config import max_positions
 from .batching import RowStops, row_cache, stack_left_padded
 from .conversations import ConversationStore, KeptConversation
 from .prompts import Prompt, PromptBuilder, PromptLayoutError

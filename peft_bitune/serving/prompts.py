@@ -24,7 +24,7 @@ from typing import Any
 
 from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
-from ..common import MultiTurnMode
+from ..constants import MultiTurnMode
 
 PROBE_CONVERSATION = [
     {"role": "user", "content": "What is 2 + 2?"},

@@ -21,7 +21,9 @@ from typing import Literal
 
 import torch
 
-from .common import IGNORE_INDEX, MultiTurnMode, format_rows, has_holes
+from ..constants import IGNORE_INDEX, MultiTurnMode
+from ..utils.messages import format_rows
+from .checks import has_holes
 
 Alignment = Literal["left", "right"]
 

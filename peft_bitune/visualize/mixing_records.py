@@ -1,7 +1,7 @@
 """
 Reading what a Bitune adapter learned about mixing its two prompt caches: the per-layer mixing coefficients of a model
-or of a saved adapter (read with `persistence.py`, without loading any model), and their history over training, as
-`BituneMixingCallback` logged it. Only torch is needed; drawing them is in `visualize.py`.
+or of a saved adapter (read with `persistence/checkpoint_keys.py`, without loading any model), and their history over
+training, as `BituneMixingCallback` logged it. Only torch is needed; drawing them is in `plots.py`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import torch
 from peft import PeftModel
 from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 
-from .callbacks import layer_log_key, mean_log_key
-from .common import is_bitune_type
-from .config import BituneConfig
-from .lookup import require_bitune_tuner
-from .mixing import BituneKVMixer
-from .model import BituneModel
-from .persistence import saved_mixing_scalars
+from ..constants import is_bitune_type
+from ..persistence.checkpoint_keys import saved_mixing_scalars
+from ..training.callbacks import layer_log_key, mean_log_key
+from ..tuner.config import BituneConfig
+from ..tuner.find_tuner import require_bitune_tuner
+from ..tuner.mixing import BituneKVMixer
+from ..tuner.model import BituneModel
 
 
 def mixing_coefficients(

@@ -24,12 +24,13 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.cache_utils import Cache
 
-from . import compat
+from .. import compat
+from ..constants import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, SecondPassAttention, WeightSet
+from ..utils.model_config import num_layers
 from .caches import PendingMix, computed, mix_recorded, pass_cache, recorded_key_values
-from .common import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, SecondPassAttention, WeightSet, num_layers
-from .early_stop import ending_at_complete_record
 from .layout import Chunk, ConversationLayout, Turn
 from .mixing import BituneKVMixer, at_least_float32
+from .prompt_pass_end import ending_at_complete_record
 from .sharding import LayerPath, unshard_before_backward
 
 KeyValues = tuple[list[torch.Tensor], list[torch.Tensor]]
@@ -47,7 +48,7 @@ class BitunePasses:
         mixer (`BituneKVMixer`): the active adapter's mixing scalars.
         second_pass_attention (`str`): the mask of the bidirectional prompt pass (`"causal"` is the paper's ablation).
         stop_early (`bool`): whether a prompt pass may end once the last layer has recorded its keys/values (see
-            `early_stop.may_end_early`).
+            `prompt_pass_end.may_end_early`).
         decoder_layer_paths (`Sequence[LayerPath]`): where each decoder layer sits, to find FSDP2 units.
     """
 
@@ -109,8 +110,8 @@ class BitunePasses:
 
     def prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: Any) -> Any:
         """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used; a
-        cache that stops the pass after its last layer's keys/values ends it there, see `early_stop.py`). Returns the
-        decoder's output, or `None` for a pass that ended there."""
+        cache that stops the pass after its last layer's keys/values ends it there, see `prompt_pass_end.py`).
+        Returns the decoder's output, or `None` for a pass that ended there."""
         is_causal = weight_set == CAUSAL or self.second_pass_attention == CAUSAL
         decoder = decoder_of(self.model)
         output = None

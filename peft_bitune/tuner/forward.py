@@ -3,7 +3,7 @@
 
 With the adapters disabled the base model runs alone, and a forward that continues a cache runs causally with the
 causal weights, like a decoding step of `generate`; every other forward is a training forward over instructions and
-answers, whose arguments are checked before any compute (`inputs.py`).
+answers, whose arguments are checked before any compute (`checks.py`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import compat
-from .common import max_positions, num_layers
+from .. import compat
+from ..utils.model_config import max_positions, num_layers
+from .checks import check_continuation_arguments, training_sequence
 from .fused_head import check_fused_call, ensure_fused_head, fused_output
-from .inputs import check_continuation_arguments, training_sequence
 from .layout import ConversationLayout
 from .mixing import BituneKVMixer
 from .passes import BitunePasses, answer_loss

@@ -14,7 +14,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .common import peft_type_name
+from ..constants import peft_type_name
 
 CARD_NAME = "README.md"
 TAGS = ("bitune", "peft")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import compat
+from .. import compat
 
 if torch.distributed.is_available():
     from torch.distributed.fsdp import FSDPModule

@@ -14,7 +14,7 @@ from typing import Any
 
 from huggingface_hub import CommitInfo, HfApi
 
-from .common import is_bitune_type
+from ..constants import is_bitune_type
 from .model_card import write_model_card
 
 

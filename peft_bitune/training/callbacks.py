@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .lookup import require_bitune_tuner
-from .model import BituneModel
+from ..tuner.find_tuner import require_bitune_tuner
+from ..tuner.model import BituneModel
 
 LOG_PREFIX = "bitune/"
 

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from . import compat
+from .. import compat
 
 
 class PromptPassComplete(Exception):

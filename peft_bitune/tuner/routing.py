@@ -20,9 +20,9 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from . import compat
-from .early_stop import may_end_early, modules_left_early
+from .. import compat
 from .passes import decoder_of
+from .prompt_pass_end import may_end_early, modules_left_early
 from .sharding import LayerPath
 
 
@@ -32,7 +32,7 @@ class ModuleIndex:
 
     tuner_layers: tuple[BaseTunerLayer, ...]
     checkpoint_layers: tuple[GradientCheckpointingLayer, ...]
-    # The decoder's modules that a prompt pass ended at the last layer's keys/values leaves (see `early_stop.py`).
+    # The decoder's modules that a prompt pass ended at the last layer's keys/values leaves (see `prompt_pass_end.py`).
     left_early: tuple[nn.Module, ...]
     # Where each decoder layer sits in the model, in layer order: FSDP units and wrappers are found along these.
     decoder_layer_paths: tuple[LayerPath, ...]
@@ -95,7 +95,7 @@ class LayerRouter:
         return [m for m in self.index.checkpoint_layers if m.gradient_checkpointing and m.training]
 
     def prompt_passes_may_stop_early(self) -> bool:
-        """Whether a prompt pass may end at its last layer's keys/values in this forward (see `early_stop.py`)."""
+        """Whether a prompt pass may end at its last layer's keys/values in this forward (see `prompt_pass_end.py`)."""
         return may_end_early(self.index.left_early, checkpointing=bool(self.checkpointing_layers()))
 
     @contextmanager

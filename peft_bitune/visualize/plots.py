@@ -1,12 +1,6 @@
-"""
-Pictures of what a Bitune adapter learned (paper, appendix A.12): the attention of the two prompt passes, the
-per-layer mixing coefficients of their caches, and how those coefficients moved during training.
-
-The drawing functions are here; they need matplotlib, installed with the `viz` extra (`pip install
-peft-bitune[viz]`). What they draw comes from two modules that need only torch, and whose public names this module
-offers too: `prompt_attention.py` (`attention_maps`, `AttentionMaps`) and `mixing_readout.py`
-(`mixing_coefficients`, `mixing_history`, `MixingHistory`). `import peft_bitune` never imports this module.
-"""
+"""The drawings of `peft_bitune.visualize`: attention maps of the two prompt passes, the per-layer mixing
+coefficients, and their history during training. They need matplotlib (the `viz` extra), imported when a drawing
+is made."""
 
 from __future__ import annotations
 
@@ -17,24 +11,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from peft import PeftModel
 
-from .mixing_readout import MixingHistory, mixing_coefficients, mixing_history
-from .model import BituneModel
-from .prompt_attention import AttentionMaps, attention_maps
+from ..tuner.model import BituneModel
+from .attention_capture import AttentionMaps, attention_maps
+from .mixing_records import MixingHistory, mixing_coefficients, mixing_history
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-__all__ = [
-    "AttentionMaps",
-    "MixingHistory",
-    "attention_maps",
-    "mixing_coefficients",
-    "mixing_history",
-    "plot_attention_maps",
-    "plot_mixing_coefficients",
-    "plot_mixing_history",
-    "plot_prompt_attention",
-]
 
 # The axis label of every plot of the mixing coefficients.
 _ALPHA_LABEL = "alpha (weight of the bidirectional cache)"

@@ -17,8 +17,8 @@ import torch
 from peft import PeftConfig
 from torch import nn
 
-from . import compat
-from .common import peft_type_name
+from .. import compat
+from ..constants import peft_type_name
 
 # The inner PEFT methods whose layers over quantized base layers are checked in tests/test_quantized.py, against the
 # per-row reference on the same quantized base and against float layers holding the de-quantized weights. (DoRA is

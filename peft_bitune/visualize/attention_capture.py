@@ -5,7 +5,7 @@ What the maps cover: exactly what the two prompt passes read, which is the instr
 (prompt[:-1], steps 1-2 of `passes.py`). The last instruction token is never read by those passes: it goes through the
 causal answer pass over the mixed cache. So a prompt of P tokens gives (P - 1) x (P - 1) maps, labelled with the first
 P - 1 tokens. Each map comes from `BitunePasses.prompt_pass` itself (its weight set, its mask, its positions), run with
-eager attention, the only implementation that returns probabilities. Drawing is in `visualize.py`.
+eager attention, the only implementation that returns probabilities. Drawing is in `plots.py`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,15 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-from . import compat
-from .caches import pass_cache
-from .common import BIDIRECTIONAL, CAUSAL, WeightSet, format_rows, has_holes, num_layers, text_config
-from .inputs import attention_mask_for, positions_for
-from .lookup import require_bitune_tuner
-from .model import BituneModel
-from .passes import BitunePasses, decoder_of
+from .. import compat
+from ..constants import BIDIRECTIONAL, CAUSAL, WeightSet
+from ..tuner.caches import pass_cache
+from ..tuner.checks import attention_mask_for, has_holes, positions_for
+from ..tuner.find_tuner import require_bitune_tuner
+from ..tuner.model import BituneModel
+from ..tuner.passes import BitunePasses, decoder_of
+from ..utils.messages import format_rows
+from ..utils.model_config import num_layers, text_config
 
 
 @dataclass

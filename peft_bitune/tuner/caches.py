@@ -10,10 +10,10 @@ Each pass reads the keys/values built so far and may record its own. Two propert
 
 Both are one layer class, `PassCacheLayer`: an optional fixed prefix, plus an optional record of the last chunk.
 In training the prefix of the answer pass may be a `PendingMix`, the mix of two records computed where it is read.
-A prompt pass feeds nothing but its keys/values, so once the last layer has recorded them the pass may end there (see
-`early_stop.py`). In training it holds every position and is never a sliding-window layer; sliding-window models still
-get their window, because transformers builds the sliding mask from the config over absolute positions. Over a
-generation cache it mirrors each layer (window and offset) instead.
+A prompt pass feeds nothing but its keys/values, so once the last layer has recorded them the pass may end there
+(see `prompt_pass_end.py`). In training it holds every position and is never a sliding-window layer; sliding-window
+models still get their window, because transformers builds the sliding mask from the config over absolute positions.
+Over a generation cache it mirrors each layer (window and offset) instead.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from . import compat
-from .common import check_mask_shape, first_true
-from .early_stop import PromptPassComplete
+from .. import compat
+from ..utils.messages import first_true
+from .checks import check_mask_shape
 from .mixing import BituneKVMixer, mix_key_values
+from .prompt_pass_end import PromptPassComplete
 
 
 class PassCacheLayer(CacheLayerMixin):
@@ -45,7 +46,7 @@ class PassCacheLayer(CacheLayerMixin):
         is_sliding (`bool`): mirrors the layer it reads from, so transformers sizes each mask type from a layer of
             that type.
         stop_after_record (`bool`): raise `PromptPassComplete` once the chunk is recorded (set on the last layer
-            where the model allows it: see `early_stop.py`).
+            where the model allows it: see `prompt_pass_end.py`).
     """
 
     is_compileable = False

@@ -19,9 +19,9 @@ from typing import Any
 
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
-from . import compat
+from .. import compat
+from .checkpoint_keys import mark_added_to_load
 from .model_card import write_model_card
-from .persistence import mark_added_to_load
 from .weights_files import check_adapter_weights, warn_if_two_weights_files
 
 _UPGRADE = "It was probably written by a newer version; upgrade with `pip install -U {package}`."

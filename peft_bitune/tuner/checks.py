@@ -12,7 +12,38 @@ from typing import Any
 
 import torch
 
-from .common import check_fits_positions, check_mask_shape, first_true, format_rows, has_holes, text_config
+from ..utils.messages import first_true, format_rows
+from ..utils.model_config import text_config
+
+
+def check_fits_positions(longest: int, max_positions: int | None, what: str) -> None:
+    """Refuse `what` ("A row", "A prompt") of `longest` tokens if the model has fewer positions: nothing is truncated
+    silently."""
+    if max_positions is not None and longest > max_positions:
+        raise ValueError(
+            f"{what} has {longest} tokens, more than the model's {max_positions} positions; shorten it (nothing is "
+            "truncated silently)."
+        )
+
+
+def check_mask_shape(input_ids: Any, attention_mask: Any) -> None:
+    """Refuse an attention mask whose shape is not that of the token ids it goes with."""
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
+        )
+
+
+def has_holes(attention_mask: Any) -> Any:
+    """
+    Which rows of a (batch, seq) attention mask have a hole, as a (batch,) boolean tensor. A hole is padding between
+    two real tokens of a row; padding before a row's first real token or after its last one is not a hole, and an
+    all-padding row has none. Bitune's passes need each row's real tokens as one contiguous run.
+    """
+    valid = attention_mask.bool()
+    first = valid.int().argmax(dim=1)
+    last = valid.shape[1] - 1 - valid.flip(1).int().argmax(dim=1)
+    return valid.any(dim=1) & (last - first + 1 != valid.sum(dim=1))
 
 
 def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

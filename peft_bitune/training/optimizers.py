@@ -20,9 +20,9 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from .common import BIDIRECTIONAL, CAUSAL, inner_adapter_name
-from .lookup import find_bitune_tuner
-from .model import BituneModel
+from ..constants import BIDIRECTIONAL, CAUSAL, inner_adapter_name
+from ..tuner.find_tuner import find_bitune_tuner
+from ..tuner.model import BituneModel
 
 # The parameter groups, by the part of the adapter they hold.
 CAUSAL_GROUP, BIDIRECTIONAL_GROUP, MIXING_GROUP = "causal", "bidirectional", "mixing"

@@ -9,7 +9,7 @@ from peft import LoraConfig, PeftConfig
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
 from peft.utils import PeftType, TaskType
 
-from .common import (
+from ..constants import (
     BITUNE_TYPE_NAME,
     CAUSAL,
     WEIGHT_SETS,
@@ -18,8 +18,8 @@ from .common import (
     WeightSet,
     peft_type_name,
 )
-from .config_files import BituneConfigFileMixin
-from .field_types import check_field_types
+from ..persistence.config_files import BituneConfigFileMixin
+from ..utils.field_types import check_field_types
 
 # PEFT methods that cannot hold the two weight sets side by side in one model, with the reason a user needs.
 _REFUSED_METHODS = {
@@ -127,7 +127,7 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
         },
     )
     # Recorded from the base model when the adapter is created, not settings: loading refuses a base of another shape
-    # (see `base_model_records.py`). Adapters saved before these records existed have none.
+    # (see `persistence/base_model_records.py`). Adapters saved before these records existed have none.
     base_model_vocab_size: int | None = field(
         default=None, metadata={"help": "Vocabulary size of the base model (recorded).", "recorded": True}
     )

@@ -18,8 +18,7 @@ from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 
-from .base_model_records import match_base_model
-from .common import (
+from ..constants import (
     BIDIRECTIONAL,
     BITUNE_PREFIX,
     CAUSAL,
@@ -28,15 +27,16 @@ from .common import (
     WEIGHT_SETS,
     WeightSet,
     inner_adapter_name,
-    num_layers,
 )
+from ..persistence.base_model_records import match_base_model
+from ..persistence.checkpoint_keys import BituneCheckpointMixin
+from ..utils.model_config import num_layers
+from .checks import check_base_model_supported
 from .config import BituneConfig
 from .forward import BituneForwardMixin
 from .generation import BituneGenerationMixin
-from .inputs import check_base_model_supported
 from .mixing import BituneKVMixer
 from .passes import BitunePasses
-from .persistence import BituneCheckpointMixin
 from .quantization import check_quantized_base, prepare_quantized_layers
 from .routing import LayerRouter
 

@@ -30,8 +30,8 @@ from peft import PeftModel
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
-from . import compat
-from .common import INNER_SEPARATOR, MIXERS_ATTRIBUTE, WEIGHT_SETS, inner_adapter_name
+from .. import compat
+from ..constants import INNER_SEPARATOR, MIXERS_ATTRIBUTE, WEIGHT_SETS, inner_adapter_name
 
 # Checkpoint keys of the mixing scalars (adapter name removed; the "base_model." prefix may be absent).
 MIXER_CHECKPOINT_KEYS = {"keys": f"{MIXERS_ATTRIBUTE}.key_weights", "values": f"{MIXERS_ATTRIBUTE}.value_weights"}

@@ -17,10 +17,11 @@ from transformers import PreTrainedModel
 from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from . import compat
+from .. import compat
+from ..constants import CAUSAL, WeightSet
+from ..utils.model_config import max_positions, text_config
 from .caches import BituneCache, append_key_values, pass_cache, reading_pass_cache
-from .common import CAUSAL, WeightSet, has_holes, max_positions, text_config
-from .inputs import attention_mask_for, check_not_empty, check_prompts, positions_for
+from .checks import attention_mask_for, check_not_empty, check_prompts, has_holes, positions_for
 from .passes import BitunePasses
 from .routing import LayerRouter
 

@@ -1,0 +1,20 @@
+"""
+The Bitune method as a PEFT tuner, in the manner of PEFT's `tuners/lora/`: everything a forward or a `generate` of a
+Bitune adapter runs, and nothing else (no serving, evaluation, pictures or training aids: those import this package,
+never the other way round).
+
+Read in this order:
+
+1. `config.py`: `BituneConfig`, what a user chooses (the inner PEFT method, mixing, multi-turn mode).
+2. `model.py`: `BituneModel`, the tuner: the adapters' lifecycle, the training forward, `prefill` and `generate`.
+3. `checks.py`: what the forward and `generate` are given, checked once where it enters.
+4. `layout.py`: where each row's instructions and answers are, gathered into the batches of the passes.
+5. `passes.py`: the two prompt passes and the answer pass over those batches.
+6. `caches.py` and `mixing.py`: the caches the passes read and record, and the learned mix of the two prompt caches.
+7. `routing.py`: which weight set the layers run with, pass by pass, also under gradient checkpointing.
+8. `generation.py`: the prompt read twice before transformers' own `generate` decodes, and a conversation continued.
+
+The rest adapts the method to its surroundings: `prompt_pass_end.py` (a prompt pass ends once its last layer has
+recorded), `fused_head.py` (TRL's fused-head call), `sharding.py` (FSDP2), `quantization.py` (QLoRA bases) and
+`find_tuner.py` (the tuner inside a wrapped model).
+"""
