@@ -116,58 +116,64 @@ def test_every_public_top_level_name_is_defined_once():
     assert not twice, f"Defined in more than one module (define each once, import it elsewhere): {twice}"
 
 
-# ------------------------------------------------------------------------------------------- the mixins' contracts
-def members_used_on_the_host(source: str, class_name: str) -> set[str]:
-    """The attributes a class's methods read on `self` or `cls` that the class body does not define itself."""
-    tree = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == class_name)
-    own = {
-        node.name if not isinstance(node, ast.AnnAssign) else node.target.id
-        for node in tree.body
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.AnnAssign))
+# ------------------------------------------------------------------------------------------------- the layout
+# The homes around the method, which it never imports (directly or through another module).
+AROUND_THE_METHOD = ("serving", "evaluation", "visualize", "training")
+
+
+def reachable_from(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for imported in graph.get(todo.pop(), ()):
+            if imported not in seen:
+                seen.add(imported)
+                todo.append(imported)
+    return seen
+
+
+def test_reachable_from_follows_imports_through_other_modules():
+    assert reachable_from({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a"}}, "a") == {"b", "c"}
+
+
+def test_the_method_never_imports_the_homes_around_it():
+    graph = import_graph()
+    method = [name for name in graph if name.startswith("peft_bitune.tuner")]
+    assert "peft_bitune.tuner.model" in method and "peft_bitune.tuner.passes" in method
+    around = tuple(f"peft_bitune.{home}" for home in AROUND_THE_METHOD)
+    arrows = {
+        name: sorted(target for target in reachable_from(graph, name) if target.startswith(around))
+        for name in method
     }
-    own |= {target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets}
-    used = {
-        node.attr
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+    arrows = {name: targets for name, targets in arrows.items() if targets}
+    assert not arrows, f"The method imports what is built around it: {arrows}. Move what both need into the method."
+
+
+def test_persistence_and_utilities_never_import_the_method():
+    """Persistence (the hooks the tuner calls) and the utilities sit below the method."""
+    graph = import_graph()
+    below = [name for name in graph if name.startswith(("peft_bitune.persistence", "peft_bitune.utils"))]
+    assert "peft_bitune.persistence.checkpoint_keys" in below and "peft_bitune.utils.model_config" in below
+    arrows = {
+        name: sorted(t for t in reachable_from(graph, name) if t.startswith("peft_bitune.tuner") or t == "peft_bitune")
+        for name in below
     }
-    return used - own
+    arrows = {name: targets for name, targets in arrows.items() if targets}
+    assert not arrows, f"These import the method: {arrows}."
 
 
-def protocol_members(protocol: type) -> set[str]:
-    return {name for name in vars(protocol) if not name.startswith("__") and name != "_is_protocol"} | set(
-        protocol.__annotations__
-    )
+def test_the_top_of_the_package_holds_at_most_ten_modules():
+    top = sorted(path.name for path in (ROOT / "peft_bitune").glob("*.py"))
+    assert len(top) <= 10, f"peft_bitune/ holds {len(top)} modules at its top: {top}. Give new ones a home below."
 
 
-def test_the_host_member_finder_sees_reads_on_self_and_cls():
-    source = (
-        "class Mixin:\n"
-        "    flag: bool = True\n"
-        "    def own(self): return self.flag or self.other()\n"
-        "    @classmethod\n"
-        "    def hook(cls): return cls.own, cls.from_host\n"
-    )
-    assert members_used_on_the_host(source, "Mixin") == {"other", "from_host"}
+def test_the_tuner_is_one_class():
+    """`BituneModel`'s methods are its own: no mixin class sits between it and PEFT's `BaseTuner`."""
+    from peft.tuners.tuners_utils import BaseTuner
 
+    from peft_bitune import BituneModel
 
-def test_the_mixins_of_the_tuner_use_only_what_their_host_protocols_declare(load_base):
-    from peft_bitune.persistence import checkpoint_keys as persistence
-    from peft_bitune.tuner import forward, generation
-    from reference import make_bitune
-
-    tuner = make_bitune(load_base("llama")).base_model
-    for module, mixin, protocol in (
-        (forward, forward.BituneForwardMixin, forward.ForwardHost),
-        (generation, generation.BituneGenerationMixin, generation.GenerationHost),
-        (persistence, persistence.BituneCheckpointMixin, persistence.CheckpointHost),
-    ):
-        declared = protocol_members(protocol)
-        used = members_used_on_the_host(Path(module.__file__).read_text(encoding="utf-8"), mixin.__name__)
-        undeclared = sorted(used - declared)
-        assert not undeclared, f"{mixin.__name__} uses {undeclared} of its host; declare them in {protocol.__name__}."
-        missing = sorted(name for name in declared if not hasattr(tuner, name))
-        assert not missing, f"BituneModel lacks {missing}, which {protocol.__name__} declares."
+    assert BituneModel.__bases__ == (BaseTuner,)
 
 
 def test_the_module_map_of_the_docs_names_every_module():

@@ -136,7 +136,7 @@ def test_fused_head_with_adapters_disabled_is_the_base_model(load_base):
         (lambda batch: {**batch, "labels": None}, r"`fused_lm_head=True` needs `labels`"),
         (lambda batch: {**batch, "shift_labels": batch["labels"][:, 1:]}, r"`shift_labels`.*not supported"),
         (lambda batch: {**batch, "labels": batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)},
-         r"rows \[0, 1, 2, 3\] start with an answer token \(by `labels`\)"),
+         r"Rows \[0, 1, 2, 3\] start with an answer token \(by `labels`\)"),
     ],
     ids=["no_labels", "shift_labels", "answer_at_position_0"],
 )

@@ -130,11 +130,11 @@ def test_multi_turn_input_errors_are_clear(load_base):
     labels = ids.clone()
     labels[1, 3:5] = -100  # row 1: answer first, then an instruction, then an answer
     labels[0, :3] = -100
-    with pytest.raises(ValueError, match=r"rows \[1\] start with an answer token"):
+    with pytest.raises(ValueError, match=r"Rows \[1\] start with an answer token"):
         model(input_ids=ids, labels=labels)
     labels = torch.full_like(ids, -100)
     labels[0, 4:] = ids[0, 4:]
-    with pytest.raises(ValueError, match=r"rows \[1\] have no answer token"):
+    with pytest.raises(ValueError, match=r"Rows \[1\] have no answer token"):
         model(input_ids=ids, labels=labels)
     with pytest.raises(ValueError, match="`multi_turn` must be one of"):
         make_bitune(load_base("llama"), multi_turn="interleaved")

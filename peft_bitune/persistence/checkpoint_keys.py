@@ -1,4 +1,5 @@
-"""How a Bitune adapter's weights map to checkpoint keys (save, load, Hub). Mixed into `BituneModel`.
+"""How a Bitune adapter's weights map to checkpoint keys (save, load, Hub): the work of `BituneModel`'s
+checkpoint hooks, which PEFT calls.
 
 In the model, the inner PEFT method names the two weight sets of the Bitune adapter `<name>` `"<name>__causal"` and
 `"<name>__bidirectional"`, and the tuner holds the mixing scalars in `bitune_mixers[<name>]`. A checkpoint is
@@ -23,7 +24,7 @@ that a tensor it loads belongs anywhere.
 from __future__ import annotations
 
 import re
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from peft import PeftModel
@@ -42,96 +43,68 @@ _ADDED_TO_LOAD = "_bitune_added_to_load"
 _SHOWN_KEYS = 5
 
 
-class CheckpointHost(Protocol):
-    """What `BituneCheckpointMixin` uses of the tuner class it is mixed into (`BituneModel`, through PEFT's
-    `BaseTuner`), and all that it may use (a test reads the mixin's source and checks it)."""
+def saved_adapter_state(
+    tuner_cls: type, model: nn.Module, config: Any, adapter_name: str, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """
+    The entries of `adapter_name` that a checkpoint holds: both weight sets on the tuner layers, the mixing scalars,
+    and the base-layer biases if the inner method trains them (`tuner_cls._get_learnable_bias_state_dict`, PEFT's).
+    PEFT's own filter of other adapters does not recognise inner adapter names, so the selection is made here,
+    structurally, for this adapter's names only.
+    """
+    _check_is_bitune_peft_model(model, tuner_cls, "saved")
+    _check_no_auxiliary_modules(model)
+    selected = _adapter_state(model, config, adapter_name, state_dict)
+    selected.update(tuner_cls._get_learnable_bias_state_dict(model, state_dict, config.adapter_config))
+    return selected
 
-    @classmethod
-    def _get_learnable_bias_state_dict(
-        cls, model: nn.Module, state_dict: dict[str, torch.Tensor], config: Any
-    ) -> dict[str, torch.Tensor]: ...
+
+def checkpoint_key(key: str, adapter_name: str) -> str:
+    """
+    `...lora_A.<name>__causal.weight` -> `...lora_A.causal.weight`; `...bitune_mixers.<name>.key_weights` ->
+    `...bitune_mixers.key_weights`. Other keys (e.g. trained biases) carry no adapter name and are unchanged.
+    """
+    renamed, count = _inner_name_pattern(adapter_name).subn(r".\1", key)
+    if count:
+        return renamed
+    mixer_segment = f"{MIXERS_ATTRIBUTE}.{adapter_name}."
+    if key.startswith(mixer_segment) or f".{mixer_segment}" in key:
+        return key.replace(mixer_segment, f"{MIXERS_ATTRIBUTE}.", 1)
+    return key
 
 
-class BituneCheckpointMixin:
-    """Checkpoint-key hooks of `BituneModel` (PEFT calls them through `PEFT_TYPE_TO_TUNER_MAPPING`); what they use of
-    it is declared by `CheckpointHost`."""
-
-    # The mixing scalars live on the tuner, not on the layers. PEFT's `inject_adapter_in_model` (used by transformers'
-    # own adapter loading: `model.load_adapter(path)`, `AutoModelForCausalLM.from_pretrained(<adapter>)`) keeps only
-    # the layers and would run the causal weights alone; this flag makes it refuse.
-    uses_shared_state: bool = True
-
-    @classmethod
-    def _get_adapter_state_dict(
-        cls,
-        model: nn.Module,
-        config: Any,
-        adapter_name: str,
-        state_dict: dict[str, torch.Tensor],
-        unwanted_adapter_names: list[str],
-    ) -> dict[str, torch.Tensor]:
-        """
-        The entries of `adapter_name`: both weight sets on the tuner layers, the mixing scalars, and the base-layer
-        biases if the inner method trains them. PEFT's own filter of other adapters does not recognise inner adapter
-        names, so the selection is made here, structurally, for this adapter's names only.
-        """
-        _check_is_bitune_peft_model(model, "saved")
-        _check_no_auxiliary_modules(model)
-        selected = _adapter_state(model, config, adapter_name, state_dict)
-        selected.update(cls._get_learnable_bias_state_dict(model, state_dict, config.adapter_config))
-        return selected
-
-    @classmethod
-    def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:
-        """
-        `...lora_A.<name>__causal.weight` -> `...lora_A.causal.weight`; `...bitune_mixers.<name>.key_weights` ->
-        `...bitune_mixers.key_weights`. Other keys (e.g. trained biases) carry no adapter name and are unchanged.
-        """
-        renamed, count = _inner_name_pattern(adapter_name).subn(r".\1", key)
-        if count:
-            return renamed
-        mixer_segment = f"{MIXERS_ATTRIBUTE}.{adapter_name}."
-        if key.startswith(mixer_segment) or f".{mixer_segment}" in key:
-            return key.replace(mixer_segment, f"{MIXERS_ATTRIBUTE}.", 1)
-        return key
-
-    @classmethod
-    def _remap_adapter_state_dict_for_load(
-        cls,
-        model: nn.Module,
-        config: Any,
-        adapter_name: str,
-        state_dict: dict[str, torch.Tensor],
-    ) -> dict[str, torch.Tensor]:
-        """
-        Map checkpoint keys back to the model keys of `adapter_name`, after checking that the checkpoint holds exactly
-        this adapter's weights with this model's shapes.
-        """
-        _check_is_bitune_peft_model(model, "loaded")
-        model_state = model.state_dict()
-        checkpoint_to_model = {
-            cls._remove_adapter_name_from_key(model_key, adapter_name): model_key
-            for model_key in _adapter_state(model, config, adapter_name, model_state)
-        }
-        checkpoint_to_model.update(
-            {key: key for key in cls._get_learnable_bias_state_dict(model, model_state, config.adapter_config)}
-        )
-        # A checkpoint may omit the PEFT prefix when it was written without a PeftModel around the tuner.
-        remapped = {}
-        for key, value in state_dict.items():
-            if key not in checkpoint_to_model and _PEFT_PREFIX + key in checkpoint_to_model:
-                key = _PEFT_PREFIX + key
-            remapped[checkpoint_to_model.get(key, key)] = value
-        try:
-            _check_complete(config, checkpoint_to_model, set(remapped), adapter_name)
-            _check_no_strangers(config, remapped, model_state)
-            _check_shapes(config, remapped, model_state)
-            _check_finite(state_dict, adapter_name)
-        except Exception:
-            _forget_refused_adapter(model, adapter_name, config)
-            raise
-        vars(config).pop(_ADDED_TO_LOAD, None)
-        return remapped
+def loaded_adapter_state(
+    tuner_cls: type, model: nn.Module, config: Any, adapter_name: str, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """
+    Map checkpoint keys back to the model keys of `adapter_name`, after checking that the checkpoint holds exactly
+    this adapter's weights with this model's shapes.
+    """
+    _check_is_bitune_peft_model(model, tuner_cls, "loaded")
+    model_state = model.state_dict()
+    checkpoint_to_model = {
+        checkpoint_key(model_key, adapter_name): model_key
+        for model_key in _adapter_state(model, config, adapter_name, model_state)
+    }
+    checkpoint_to_model.update(
+        {key: key for key in tuner_cls._get_learnable_bias_state_dict(model, model_state, config.adapter_config)}
+    )
+    # A checkpoint may omit the PEFT prefix when it was written without a PeftModel around the tuner.
+    remapped = {}
+    for key, value in state_dict.items():
+        if key not in checkpoint_to_model and _PEFT_PREFIX + key in checkpoint_to_model:
+            key = _PEFT_PREFIX + key
+        remapped[checkpoint_to_model.get(key, key)] = value
+    try:
+        _check_complete(config, checkpoint_to_model, set(remapped), adapter_name)
+        _check_no_strangers(config, remapped, model_state)
+        _check_shapes(config, remapped, model_state)
+        _check_finite(state_dict, adapter_name)
+    except Exception:
+        _forget_refused_adapter(model, adapter_name, config)
+        raise
+    vars(config).pop(_ADDED_TO_LOAD, None)
+    return remapped
 
 
 def saved_mixing_scalars(weights_path: str) -> dict[str, torch.Tensor]:
@@ -200,9 +173,9 @@ def _adapter_state(
     return {key: value for key, value in tuner_state.items() if own.search(key)}
 
 
-def _check_is_bitune_peft_model(model: nn.Module, action: str) -> None:
+def _check_is_bitune_peft_model(model: nn.Module, tuner_cls: type, action: str) -> None:
     """Refuse transformers' built-in adapter loading, which would inject the weights and run only the causal ones."""
-    if not (isinstance(model, PeftModel) and isinstance(model.base_model, BituneCheckpointMixin)):
+    if not (isinstance(model, PeftModel) and isinstance(model.base_model, tuner_cls)):
         raise ValueError(
             f"A Bitune adapter can only be {action} through PEFT's `PeftModel`, which runs its two prompt passes; "
             f"got a {type(model).__name__}. transformers' own adapter support (`model.load_adapter(...)`, "

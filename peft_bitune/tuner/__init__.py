@@ -17,4 +17,15 @@ Read in this order:
 The rest adapts the method to its surroundings: `prompt_pass_end.py` (a prompt pass ends once its last layer has
 recorded), `fused_head.py` (TRL's fused-head call), `sharding.py` (FSDP2), `quantization.py` (QLoRA bases) and
 `find_tuner.py` (the tuner inside a wrapped model).
+
+Each input is checked once, where it enters, into a value that carries what the check learned; nothing downstream
+checks it again. Followed through the modules, an `attention_mask` stays in each a single time:
+
+- training forward: `model.py` (`forward`) -> `checks.check_training_inputs` (shapes, empty rows, holes,
+  `position_ids`, positions; gives `TrainingInputs`, with each row's start and length) -> `layout.py` (the
+  instruction/answer boundary; gives the chunks, each with its own mask) -> `passes.py` (runs the chunks).
+- fresh `prefill` or `generate`: `model.py` -> `checks.check_prompts` (gives `Prompts`) -> `generation.py` (hands
+  columns of `Prompts` to the passes, records the conversation on the cache) -> `passes.py`.
+- continued chat: `model.py` -> `caches.BituneCache.checked_continuation` (the cache checks the input against the
+  conversation it holds; gives `Prompts`) -> `generation.py` -> `passes.py`.
 """

@@ -26,7 +26,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .. import compat
 from ..utils.messages import first_true
-from .checks import check_mask_shape
+from .checks import (
+    Prompts,
+    attention_mask_for,
+    check_embeddings,
+    check_ends_with_real_tokens,
+    check_fits_positions,
+    check_same_shape,
+    has_holes,
+)
 from .mixing import BituneKVMixer, mix_key_values
 from .prompt_pass_end import PromptPassComplete
 
@@ -168,30 +176,77 @@ class BituneCache(DynamicCache):
         return 0 if self.conversation_ids is None else self.conversation_ids.shape[1]
 
     def record_conversation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """Remember the conversation the cache now stands for: (rows, columns) token ids and their attention mask
-        (1 on every token whose keys/values the cache holds as real)."""
-        check_mask_shape(input_ids, attention_mask)
+        """Name the conversation the cache now stands for: (rows, columns) token ids and their attention mask (1 on
+        every token whose keys/values the cache holds as real). For a caller that lays out a conversation itself
+        (e.g. a server re-reading a chat history before `prefill`); `prefill` and `generate` record their own."""
+        check_same_shape("attention_mask", attention_mask, input_ids.shape)
+        self.remember_conversation(input_ids, attention_mask)
+
+    def remember_conversation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """`record_conversation` for values that come from checked prompts (`checks.Prompts`)."""
         self.conversation_ids = input_ids.detach().clone()
         self.conversation_mask = attention_mask.detach().to(torch.bool).clone()
 
-    def check_continuation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    def checked_continuation(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_limit: int | None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> Prompts:
         """
-        Raise a `ValueError` unless `input_ids` is this cache's conversation followed by at least one new token.
+        Check, before any compute, that `model` can continue the conversation this cache holds with `input_ids`, and
+        return them as checked prompts; raise a `ValueError` otherwise. `input_ids` itself was checked where it
+        entered (`checks.check_token_ids`).
+
+        The cache must be `model`'s, `input_ids` must continue its conversation (`check_continuation`), the new tokens
+        end every row (left-padded), and the whole fits the model's positions.
+
+        Args:
+            model (`torch.nn.Module`): the model that is to continue; it must be the one that made this cache.
+            input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the conversation so far, then the new
+                tokens.
+            attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
+            position_limit (`int`, *optional*): the model's positions (`utils.model_config.max_positions`).
+            inputs_embeds (`torch.Tensor`, *optional*): the embeddings of every `input_ids` position.
+        """
+        if not self.belongs_to(model):
+            raise ValueError(
+                "`cache` was made by another model (or by none): continue a conversation with the model that "
+                "started it, from the cache its `generate` or `prefill` returned."
+            )
+        attention_mask = self.check_continuation(input_ids, attention_mask)
+        check_ends_with_real_tokens(attention_mask)
+        if any(self.is_sliding) and bool(has_holes(attention_mask).any()):
+            raise ValueError(
+                "This model has sliding-window layers, whose window is counted in cache columns, and the conversation "
+                "has padding between real tokens (rows whose turns have different lengths). Continue such "
+                "conversations one row at a time, or pad the new instructions to equal lengths."
+            )
+        check_fits_positions(int(attention_mask.sum(dim=1).max()), position_limit, "The conversation")
+        return Prompts(input_ids, attention_mask, check_embeddings(inputs_embeds, input_ids))
+
+    def check_continuation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """
+        Raise a `ValueError` unless `input_ids` is this cache's conversation followed by at least one new token;
+        returns the attention mask (all ones when none is given).
 
         Every column the conversation had is compared: where `attention_mask` marks a real token, it must be the
         cached token, and it must have been real in the cache (a column may be dropped, e.g. padding after an answer
-        that ended early, but not added).
+        that ended early, but not added). A server that keeps caches can call this before `generate`, which calls it
+        too (through `checked_continuation`).
 
         Args:
             input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the conversation so far, then the new
                 tokens.
-            attention_mask (`torch.Tensor` of shape (batch_size, seq_len)): 1 on real tokens.
+            attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
         """
         if self.conversation_ids is None:
             raise ValueError("This BituneCache holds no conversation yet: start one with `generate` or `prefill`.")
+        attention_mask = attention_mask_for(input_ids, attention_mask)
         rows, width = self.conversation_ids.shape
-        check_mask_shape(input_ids, attention_mask)
-        if input_ids.dim() != 2 or input_ids.shape[0] != rows:
+        if input_ids.shape[0] != rows:
             raise ValueError(
                 f"This cache holds {rows} conversations but `input_ids` has shape {tuple(input_ids.shape)}; continue "
                 "each conversation with exactly one row."
@@ -222,6 +277,7 @@ class BituneCache(DynamicCache):
                 "cannot go back to an earlier point: to branch a conversation, continue each branch from its own "
                 "`copy.deepcopy(cache)`, taken at the branch point; to edit the history, start a new conversation."
             )
+        return attention_mask
 
     def belongs_to(self, model: torch.nn.Module) -> bool:
         """Whether this cache was made by `model` (the keys of another model would fit its shapes by accident)."""

@@ -1,37 +1,55 @@
-"""What Bitune is given, checked before any compute: the base model (before an adapter's weights are created), and
-the arguments of a training forward or of `generate`.
+"""
+What Bitune is given, checked once, where it enters, before any compute: the base model (before an adapter's weights
+are created), a training forward's arguments, and the prompts of `prefill` and `generate`.
+
+The checks return what they learned as a value (`TrainingInputs`, `Prompts`) that the rest of the method takes as
+checked: nothing downstream checks or re-derives it. A continued conversation is checked by its cache
+(`BituneCache.checked_continuation`), which knows what it holds. Each rule has one function and one message here, and
+each message says what is wrong and how to fix it.
 
 The passes cover different parts of each row, so some arguments of a transformers forward cannot be handed on, and
 Bitune's prompts and rows have shapes a plain causal LM does not require (left-padded prompts, one contiguous run of
-real tokens per row). Each check says what is wrong and how to fix it.
+real tokens per row).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..constants import IGNORE_INDEX
 from ..utils.messages import first_true, format_rows
 from ..utils.model_config import text_config
 
 
-def check_fits_positions(longest: int, max_positions: int | None, what: str) -> None:
-    """Refuse `what` ("A row", "A prompt") of `longest` tokens if the model has fewer positions: nothing is truncated
-    silently."""
-    if max_positions is not None and longest > max_positions:
+# ------------------------------------------------------------------------------------------------ one rule each
+def check_token_ids(input_ids: Any) -> None:
+    """`input_ids` is a non-empty (batch_size, seq_len) tensor."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(
-            f"{what} has {longest} tokens, more than the model's {max_positions} positions; shorten it (nothing is "
-            "truncated silently)."
+            f"`input_ids` must be a non-empty (batch_size, seq_len) tensor, got {shape}: give at least one prompt of "
+            "at least one token."
         )
 
 
-def check_mask_shape(input_ids: Any, attention_mask: Any) -> None:
-    """Refuse an attention mask whose shape is not that of the token ids it goes with."""
-    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+def check_same_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """A per-token tensor (`attention_mask`, `labels`, `prompt_mask`) has the input's (batch_size, seq_len) shape."""
+    if tuple(tensor.shape) != tuple(shape):
         raise ValueError(
-            f"`attention_mask` has shape {tuple(attention_mask.shape)} but `input_ids` has {tuple(input_ids.shape)}."
+            f"`{name}` has shape {tuple(tensor.shape)} but the input has shape {tuple(shape)}; give one value per "
+            "input token."
         )
+
+
+def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The given attention mask, checked against `input_ids`, or all ones when none is given."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids)
+    check_same_shape("attention_mask", attention_mask, input_ids.shape)
+    return attention_mask
 
 
 def has_holes(attention_mask: Any) -> Any:
@@ -46,12 +64,32 @@ def has_holes(attention_mask: Any) -> Any:
     return valid.any(dim=1) & (last - first + 1 != valid.sum(dim=1))
 
 
-def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """The given attention mask, checked against `input_ids`, or all ones when none is given."""
-    if attention_mask is None:
-        return torch.ones_like(input_ids)
-    check_mask_shape(input_ids, attention_mask)
-    return attention_mask
+def check_rows(bad: torch.Tensor, message: str) -> None:
+    """Raise `message` (with `{rows}` in it) naming the `bad` rows of a (batch,) boolean tensor, if there are any."""
+    if bool(bad.any()):
+        raise ValueError(message.format(rows=format_rows(bad.nonzero().flatten().tolist())))
+
+
+def check_contiguous_rows(valid: torch.Tensor) -> torch.Tensor:
+    """Every row has real tokens, as one contiguous run; returns each row's number of real tokens."""
+    lengths = valid.sum(dim=1)
+    check_rows(lengths == 0, "Rows {rows} are empty (`attention_mask` all 0): every row needs at least one token.")
+    check_rows(
+        has_holes(valid),
+        "Rows {rows} have padding between real tokens: Bitune reads each row's real tokens as one run, so pad on "
+        "one side only.",
+    )
+    return lengths
+
+
+def check_fits_positions(longest: int, position_limit: int | None, what: str) -> None:
+    """Refuse `what` ("A row", "A prompt", "The conversation") of `longest` tokens if the model has fewer positions:
+    nothing is truncated silently."""
+    if position_limit is not None and longest > position_limit:
+        raise ValueError(
+            f"{what} has {longest} tokens, more than the model's {position_limit} positions; shorten it (nothing is "
+            "truncated silently)."
+        )
 
 
 def positions_for(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -59,60 +97,136 @@ def positions_for(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def check_not_empty(input_ids: torch.Tensor) -> None:
-    if input_ids.dim() != 2 or 0 in input_ids.shape:
+# ------------------------------------------------------------------------------------------ prefill and generate
+@dataclass(frozen=True)
+class Prompts:
+    """
+    Prompts checked where they enter `prefill` or `generate` (`check_prompts`, or a cache's `checked_continuation`).
+
+    Args:
+        input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the prompts (or the conversation so far and the
+            new instructions), left-padded.
+        attention_mask (`torch.Tensor` of shape (batch_size, seq_len)): 1 on real tokens.
+        inputs_embeds (`torch.Tensor` of shape (batch_size, seq_len, hidden_size), *optional*): the embeddings of
+            every `input_ids` position, read by the passes instead of the ids.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    inputs_embeds: torch.Tensor | None = None
+
+    @property
+    def width(self) -> int:
+        return self.input_ids.shape[1]
+
+    def tokens(self, start: int, end: int) -> dict[str, torch.Tensor]:
+        """Columns `start:end`, as a pass reads them: the embeddings where given, else the token ids."""
+        if self.inputs_embeds is not None:
+            return {"inputs_embeds": self.inputs_embeds[:, start:end]}
+        return {"input_ids": self.input_ids[:, start:end]}
+
+
+def check_embeddings(inputs_embeds: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """`inputs_embeds` given with `input_ids` must embed every one of its positions (transformers' `generate` then
+    reads the embeddings and only reports the ids), so that every pass can read them."""
+    if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[:2] != input_ids.shape):
         raise ValueError(
-            f"`input_ids` must be a non-empty (batch_size, seq_len) tensor, got shape {tuple(input_ids.shape)}: "
-            "give at least one prompt of at least one token."
+            f"`inputs_embeds` has shape {tuple(inputs_embeds.shape)} but `input_ids` has {tuple(input_ids.shape)}: "
+            "give the embedding of every `input_ids` position, (batch_size, seq_len, hidden_size), or only "
+            "`input_ids`."
         )
+    return inputs_embeds
+
+
+def check_ends_with_real_tokens(attention_mask: torch.Tensor) -> None:
+    """Every row ends with a real token: Bitune generation continues each row from its last column."""
+    check_rows(
+        ~attention_mask[:, -1].bool(),
+        "Rows {rows} are right-padded. Bitune generation continues every prompt from its last token, so prompts "
+        "(and a conversation's new instructions) must be left-padded: set `tokenizer.padding_side = 'left'`.",
+    )
 
 
 def check_prompts(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_limit: int | None
-) -> torch.Tensor:
-    """Refuse empty, right-padded, holed or over-long prompts before any compute; returns the attention mask."""
-    check_not_empty(input_ids)
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_limit: int | None,
+    inputs_embeds: torch.Tensor | None = None,
+) -> Prompts:
+    """Refuse empty, right-padded, holed or over-long prompts before any compute (`input_ids` itself was checked by
+    `check_token_ids` where it entered)."""
     attention_mask = attention_mask_for(input_ids, attention_mask)
     valid = attention_mask.bool()
-    lengths = valid.sum(dim=1)
-    if bool((lengths == 0).any()):
-        rows = format_rows((lengths == 0).nonzero().flatten().tolist())
-        raise ValueError(
-            f"Prompt rows {rows} are empty (attention_mask all 0); every prompt needs at least one token."
-        )
-    if not bool(valid[:, -1].all()):
-        rows = format_rows((~valid[:, -1]).nonzero().flatten().tolist())
-        raise ValueError(
-            f"Prompt rows {rows} are right-padded. Bitune generation continues every prompt from its last token, so "
-            "prompts must be left-padded: set `tokenizer.padding_side = 'left'`."
-        )
-    if bool(has_holes(attention_mask).any()):
-        raise ValueError("Prompts have padding between real tokens; pad on the left only.")
+    lengths = check_contiguous_rows(valid)
+    check_ends_with_real_tokens(valid)
     check_fits_positions(int(lengths.max()), position_limit, "A prompt")
-    return attention_mask
+    return Prompts(input_ids, attention_mask, check_embeddings(inputs_embeds, input_ids))
 
 
-def check_continuation_arguments(labels: torch.Tensor | None, prompt_mask: torch.Tensor | None) -> None:
-    """Refuse an instruction/answer boundary in a forward that continues a cache (which runs causally)."""
-    if prompt_mask is not None or labels is not None:
+def check_generation_fits(
+    position_limit: int | None, generation_config: Any, max_length_is_set: bool, attention_mask: torch.Tensor
+) -> None:
+    """
+    Refuse, before the prefill, a generation that can run past the model's positions: the longest row's real tokens
+    plus the tokens it may generate. Without `max_new_tokens` or any `max_length` set, transformers generates at most
+    20 tokens and stops at the model's positions by itself; nothing to check then.
+    """
+    if position_limit is None:
+        return
+    width = attention_mask.shape[1]
+    if generation_config.max_new_tokens is not None:
+        new_tokens, setting = generation_config.max_new_tokens, f"max_new_tokens={generation_config.max_new_tokens}"
+    elif max_length_is_set:
+        new_tokens, setting = generation_config.max_length - width, f"max_length={generation_config.max_length}"
+    else:
+        return
+    longest = int(attention_mask.sum(dim=1).max())
+    if longest + new_tokens > position_limit:
         raise ValueError(
-            "`cache` continues a sequence causally, so it cannot be combined with `labels` or `prompt_mask` "
-            "(a new instruction on top of a cache is multi-turn data, not supported yet)."
+            f"The longest input has {longest} tokens and `{setting}` lets it grow to {longest + new_tokens}, past the "
+            f"model's {position_limit} positions (`max_position_embeddings`); nothing would stop it there. Set "
+            f"`max_new_tokens` to at most {position_limit - longest}, or shorten the input."
         )
 
 
-def training_sequence(
+# ------------------------------------------------------------------------------------------- the training forward
+@dataclass(frozen=True)
+class TrainingInputs:
+    """
+    A training forward's inputs, checked where they enter (`check_training_inputs`).
+
+    Args:
+        sequence (`torch.Tensor`): `input_ids` (batch, seq) or `inputs_embeds` (batch, seq, hidden).
+        valid (`torch.BoolTensor` of shape (batch, seq)): the real tokens, one contiguous run per row.
+        row_starts, row_lengths (`torch.LongTensor` of shape (batch,)): where each row's real tokens start, and how
+            many there are.
+        is_answer (`torch.BoolTensor` of shape (batch, seq)): the answer tokens, by `prompt_mask` or else by `labels`.
+        boundary (`str`): which of the two gave `is_answer`, for messages.
+        labels (`torch.LongTensor` of shape (batch, seq), *optional*): the labels, -100 off the answers.
+    """
+
+    sequence: torch.Tensor
+    valid: torch.Tensor
+    row_starts: torch.Tensor
+    row_lengths: torch.Tensor
+    is_answer: torch.Tensor
+    boundary: str
+    labels: torch.Tensor | None
+
+
+def check_training_inputs(
     input_ids: torch.Tensor | None,
     inputs_embeds: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    prompt_mask: torch.Tensor | None,
     kwargs: dict[str, Any],
     position_limit: int | None,
-) -> torch.Tensor:
+) -> TrainingInputs:
     """
-    What a Bitune training forward runs, `input_ids` (batch, seq) or `inputs_embeds` (batch, seq, hidden), after
-    refusing before any compute what it cannot run as asked. `kwargs` are the forward's other arguments: the switches
-    of the usual output (`return_dict`, `use_cache`) are dropped from it, the rest are checked by
-    `check_training_arguments`.
+    Refuse, before any compute, what a Bitune training forward cannot run as asked, and return what it runs. `kwargs`
+    are the forward's other arguments: the switches of the usual output (`return_dict`, `use_cache`) are dropped from
+    it, the rest are checked by `check_training_arguments`.
     """
     for unsupported in ("output_attentions", "output_hidden_states"):
         if kwargs.pop(unsupported, None):
@@ -125,13 +239,51 @@ def training_sequence(
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
     sequence = input_ids if input_ids is not None else inputs_embeds
-    if 0 in sequence.shape[:2]:
+    shape = tuple(sequence.shape[:2])
+    if 0 in shape:
         raise ValueError(
             f"The batch is empty (input of shape {tuple(sequence.shape)}): give at least one row of at least one "
             "token."
         )
-    check_training_arguments(kwargs, sequence.shape[:2], attention_mask, position_limit)
-    return sequence
+    for name, tensor in (("attention_mask", attention_mask), ("labels", labels), ("prompt_mask", prompt_mask)):
+        if tensor is not None:
+            check_same_shape(name, tensor, shape)
+    if labels is None and prompt_mask is None:
+        raise ValueError(
+            "Bitune needs the instruction/answer boundary of every row: pass `labels` (instruction tokens are the "
+            "unsupervised ones, labels == -100, before each supervised answer) or a `prompt_mask` (1 on instruction "
+            "tokens)."
+        )
+    device = sequence.device
+    valid = torch.ones(shape, dtype=torch.bool, device=device)
+    if attention_mask is not None:
+        valid = attention_mask.to(device).bool()
+    lengths = check_contiguous_rows(valid)
+    check_training_arguments(kwargs, valid, position_limit)
+    if prompt_mask is not None:
+        is_answer, boundary = valid & ~prompt_mask.to(device).bool(), "`prompt_mask`"
+    else:
+        is_answer, boundary = valid & (labels.to(device) != IGNORE_INDEX), "`labels`"
+    if labels is not None:
+        labels = labels.to(device).masked_fill(~is_answer, IGNORE_INDEX)
+    return TrainingInputs(
+        sequence=sequence,
+        valid=valid,
+        row_starts=valid.int().argmax(dim=1),
+        row_lengths=lengths,
+        is_answer=is_answer,
+        boundary=boundary,
+        labels=labels,
+    )
+
+
+def check_continuation_arguments(labels: torch.Tensor | None, prompt_mask: torch.Tensor | None) -> None:
+    """Refuse an instruction/answer boundary in a forward that continues a cache (which runs causally)."""
+    if prompt_mask is not None or labels is not None:
+        raise ValueError(
+            "`cache` continues a sequence causally, so it cannot be combined with `labels` or `prompt_mask` "
+            "(a new instruction on top of a cache is multi-turn data, not supported yet)."
+        )
 
 
 # Arguments of a transformers forward that the Bitune training forward cannot hand to its passes, and why.
@@ -143,9 +295,7 @@ _ARGUMENTS_BITUNE_SETS_PER_PASS = {
 }
 
 
-def check_training_arguments(
-    kwargs: dict[str, Any], shape: tuple[int, int], attention_mask: torch.Tensor | None, position_limit: int | None
-) -> None:
+def check_training_arguments(kwargs: dict[str, Any], valid: torch.Tensor, position_limit: int | None) -> None:
     """
     Refuse, before any compute, what the training forward cannot run as asked. Its passes cover different parts of
     each row, so an argument of the model's forward would reach only one of them: none is passed on. `position_ids`
@@ -153,8 +303,7 @@ def check_training_arguments(
     `None` values; everything else is refused by name. Rows longer than the model's positions are refused, as
     `generate` does.
     """
-    valid = torch.ones(shape, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    if position_limit is not None and shape[1] > position_limit:
+    if position_limit is not None and valid.shape[1] > position_limit:  # only then can a row be too long
         check_fits_positions(int(valid.sum(dim=1).max()), position_limit, "A row")
     for name, value in kwargs.items():
         if value is None or (name == "logits_to_keep" and isinstance(value, int) and value == 0):

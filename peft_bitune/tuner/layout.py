@@ -22,8 +22,7 @@ from typing import Literal
 import torch
 
 from ..constants import IGNORE_INDEX, MultiTurnMode
-from ..utils.messages import format_rows
-from .checks import has_holes
+from .checks import TrainingInputs, check_rows
 
 Alignment = Literal["left", "right"]
 
@@ -110,60 +109,30 @@ class ConversationLayout:
 
     @classmethod
     def from_inputs(
-        cls,
-        sequence_shape: torch.Size,
-        attention_mask: torch.Tensor | None,
-        labels: torch.Tensor | None,
-        prompt_mask: torch.Tensor | None,
-        device: torch.device,
-        mode: MultiTurnMode,
-        read_rows_without_answer: bool = False,
+        cls, inputs: TrainingInputs, mode: MultiTurnMode, read_rows_without_answer: bool = False
     ) -> ConversationLayout:
         """
-        Validate the inputs and derive the turns; raises `ValueError` on input Bitune cannot train on.
+        Derive the turns of checked inputs (`checks.check_training_inputs`); raises `ValueError` on rows whose
+        instruction/answer boundary Bitune cannot train on.
 
         A row without an answer token is refused, unless `read_rows_without_answer`: then it is read as an instruction
         whose last token is an answer with nothing to predict (it runs through every pass and scores nothing). TRL's
         fused-head call needs that: GRPO and RLOO mask out truncated completions, and a batch must still run.
         """
-        batch_size, seq_len = sequence_shape[0], sequence_shape[1]
-        for name, tensor in (("attention_mask", attention_mask), ("labels", labels), ("prompt_mask", prompt_mask)):
-            if tensor is not None and tuple(tensor.shape) != (batch_size, seq_len):
-                raise ValueError(
-                    f"`{name}` has shape {tuple(tensor.shape)} but the input has shape {(batch_size, seq_len)}; "
-                    "they must match."
-                )
-        if labels is None and prompt_mask is None:
-            raise ValueError(
-                "Bitune needs the instruction/answer boundary of every row: pass `labels` (instruction tokens are "
-                "the unsupervised ones, labels == -100, before each supervised answer) or a `prompt_mask` "
-                "(1 on instruction tokens)."
-            )
-        valid = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
-        if attention_mask is not None:
-            valid = attention_mask.to(device).bool()
-        row_starts, row_lengths = _contiguous_runs(valid)
-        if prompt_mask is not None:
-            is_answer = valid & ~prompt_mask.to(device).bool()
-            boundary = "`prompt_mask`"
-        else:
-            is_answer = valid & (labels.to(device) != IGNORE_INDEX)
-            boundary = "`labels`"
-        effective_labels = None
-        if labels is not None:
-            effective_labels = labels.to(device).masked_fill(~is_answer, IGNORE_INDEX)
-
+        valid, is_answer, boundary = inputs.valid, inputs.is_answer, inputs.boundary
+        seq_len = valid.shape[1]
         without_answer = ~is_answer.any(dim=1)
         if read_rows_without_answer:
-            last_token = torch.arange(seq_len, device=device)[None, :] == (row_starts + row_lengths - 1)[:, None]
+            last = inputs.row_starts + inputs.row_lengths - 1
+            last_token = torch.arange(seq_len, device=valid.device)[None, :] == last[:, None]
             is_answer = is_answer | (last_token & without_answer[:, None])
         else:
-            _check_rows(without_answer, "rows {rows} have no answer token (by " + boundary + "): there is nothing "
-                        "to train on")
-        _check_rows(is_answer.gather(1, row_starts[:, None])[:, 0], "rows {rows} start with an answer token (by "
-                    + boundary + "): Bitune reads an instruction before each answer; add one (e.g. a BOS token or a "
-                    "prompt template)")
-        segments = _Segments(row_starts, *_segments(valid, is_answer), seq_len, effective_labels)
+            check_rows(without_answer, "Rows {rows} have no answer token (by " + boundary + "): there is nothing to "
+                       "train on.")
+        check_rows(is_answer.gather(1, inputs.row_starts[:, None])[:, 0], "Rows {rows} start with an answer token "
+                   "(by " + boundary + "): Bitune reads an instruction before each answer; add one (e.g. a BOS token "
+                   "or a prompt template).")
+        segments = _Segments(inputs.row_starts, *_segments(valid, is_answer), seq_len, inputs.labels)
         turns = segments.history_turns() if mode == "history" else segments.alternating_turns()
         return cls(turns=turns, mode=mode)
 
@@ -288,19 +257,3 @@ class _Segments:
                 rows=rows,
             ))
         return turns
-
-
-def _contiguous_runs(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Start and length of each row's real tokens; refuses empty rows and padding in the middle of a row."""
-    lengths = valid.sum(dim=1)
-    _check_rows(lengths == 0, "rows {rows} are empty (attention_mask is all 0)")
-    _check_rows(has_holes(valid), "rows {rows} have padding between real tokens; pad on the left or on the right only")
-    return valid.int().argmax(dim=1), lengths
-
-
-def _check_rows(bad: torch.Tensor, message: str) -> None:
-    """Raise `message` naming the `bad` rows (a per-row or per-position boolean tensor), if there are any."""
-    if bad.dim() > 1:
-        bad = bad.any(dim=1)
-    if bool(bad.any()):
-        raise ValueError(message.format(rows=format_rows(bad.nonzero().flatten().tolist())) + ".")

@@ -1,9 +1,12 @@
-"""`BituneModel`: the PEFT tuner of Bitune adapters. Its own code is the adapters' lifecycle.
+"""`BituneModel`: the PEFT tuner of Bitune adapters, in one class.
 
-It creates the two weight sets of each adapter in the inner PEFT method and the mixing scalars, switches, deletes,
-freezes and unfreezes adapters, and refuses what a Bitune adapter cannot do (merging, weighted combination). The rest
-is mixed in or held: the training forward (`forward.py`), generation (`generation.py`), checkpoint keys
-(`persistence.py`), and the routing of the layers to one weight set per pass (`routing.py`).
+Its own code is the adapters' lifecycle: it creates the two weight sets of each adapter in the inner PEFT method and
+the mixing scalars, switches, deletes, freezes and unfreezes adapters, and refuses what a Bitune adapter cannot do
+(merging, weighted combination). Its `forward`, `prefill` and `generate` check what they are given once
+(`checks.py`) and hand the checked value on: to the passes (`layout.py`, `passes.py`) and to generation
+(`generation.py`). Its checkpoint hooks, which PEFT calls, map keys through `persistence/checkpoint_keys.py`.
+
+The route of the inputs through these modules is in the package's docstring (`tuner/__init__.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import torch
 from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .. import compat
 from ..constants import (
     BIDIRECTIONAL,
     BITUNE_PREFIX,
@@ -29,19 +35,29 @@ from ..constants import (
     inner_adapter_name,
 )
 from ..persistence.base_model_records import match_base_model
-from ..persistence.checkpoint_keys import BituneCheckpointMixin
-from ..utils.model_config import num_layers
-from .checks import check_base_model_supported
+from ..persistence.checkpoint_keys import checkpoint_key, loaded_adapter_state, saved_adapter_state
+from ..utils.model_config import max_positions, num_layers
+from . import generation
+from .caches import BituneCache
+from .checks import (
+    check_base_model_supported,
+    check_continuation_arguments,
+    check_generation_fits,
+    check_prompts,
+    check_token_ids,
+    check_training_inputs,
+)
 from .config import BituneConfig
-from .forward import BituneForwardMixin
-from .generation import BituneGenerationMixin
+from .fused_head import check_fused_call, ensure_fused_head, fused_output
+from .layout import ConversationLayout
 from .mixing import BituneKVMixer
-from .passes import BitunePasses
+from .passes import BitunePasses, answer_loss
 from .quantization import check_quantized_base, prepare_quantized_layers
 from .routing import LayerRouter
+from .sharding import check_sharding
 
 
-class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMixin, BaseTuner):
+class BituneModel(BaseTuner):
     """
     Bitune (bidirectional instruction tuning) on top of any PEFT method that supports several adapters.
 
@@ -59,6 +75,10 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
     prefix: str = BITUNE_PREFIX
     tuner_layer_cls = BaseTunerLayer
     target_module_mapping: dict[str, list[str]] = {}
+    # The mixing scalars live on the tuner, not on the layers. PEFT's `inject_adapter_in_model` (used by transformers'
+    # own adapter loading: `model.load_adapter(path)`, `AutoModelForCausalLM.from_pretrained(<adapter>)`) keeps only
+    # the layers and would run the causal weights alone; this flag makes it refuse.
+    uses_shared_state: bool = True
 
     # ------------------------------------------------------------------ construction
     def inject_adapter(
@@ -139,6 +159,15 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
         if router is None or router.model is not self.model:
             router = self.__dict__["_layer_router"] = LayerRouter(self.model)
         return router
+
+    @property
+    def _position_limit(self) -> int | None:
+        """How many positions a sequence may take on this model (`max_positions`); read once per model, kept out of the
+        module tree."""
+        cached = self.__dict__.get("_position_limit_of")
+        if cached is None or cached[0] is not self.model:
+            cached = self.__dict__["_position_limit_of"] = (self.model, max_positions(self.model))
+        return cached[1]
 
     @contextmanager
     def weights(self, weight_set: WeightSet) -> Iterator[None]:
@@ -278,4 +307,225 @@ class BituneModel(BituneCheckpointMixin, BituneForwardMixin, BituneGenerationMix
             second_pass_attention=self.peft_config[self.active_adapter].second_pass_attention,
             stop_early=self._router.prompt_passes_may_stop_early(),
             decoder_layer_paths=self._router.index.decoder_layer_paths,
+        )
+
+    # ------------------------------------------------------------------ training forward
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        prompt_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        fused_lm_head: bool = False,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast | Any:
+        """
+        The Bitune training forward.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): instruction then answer, padded left or
+                right.
+            attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
+            inputs_embeds (`torch.FloatTensor` of shape (batch_size, seq_len, hidden_size), *optional*): instead of
+                ids.
+            labels (`torch.LongTensor` of shape (batch_size, seq_len), *optional*): targets aligned with the input,
+                -100 where there is no loss. Without `prompt_mask`, the instruction is the unsupervised tokens before
+                the first supervised one.
+            prompt_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on instruction tokens. When
+                given, labels on instruction tokens are not used: the loss is on answer tokens only.
+            cache (`Cache`, *optional*): continue decoding from a cache (e.g. from `prefill`); the input is then run
+                causally with the causal weights, exactly like a decoding step of `generate`. `past_key_values`, its
+                name before transformers 5.24, is accepted too.
+            num_items_in_batch (`int`, *optional*): the number of supervised tokens the loss is averaged over (passed
+                by `Trainer` under gradient accumulation); defaults to this batch's count.
+            fused_lm_head (`bool`, *optional*): TRL's fused-head call (`fused_head.py`): return per-token
+                log-probabilities of the labels instead of logits, scoring the answer positions only, in tiles. Rows
+                whose labels mark no answer token then score nothing, as with TRL's own head.
+            shift_labels (`torch.Tensor`, *optional*): refused (labels pre-shifted for context parallelism).
+            kwargs: other arguments of the model's forward. The three passes cover different parts of each row, so
+                none is handed on: `position_ids` are accepted when they are the ordinary positions every pass uses
+                anyway (0, 1, ... over each row's real tokens), `logits_to_keep` when 0; anything else (e.g. packed
+                `position_ids`, `cache_position`, `token_type_ids`) is refused by name before any compute.
+
+        Returns:
+            `CausalLMOutputWithPast` whose `logits` (batch_size, seq_len, vocab) are aligned with the input. Positions
+            before the last instruction token hold zeros: their logits are never used, and the LM head over a long
+            prompt with a large vocabulary is not free. With `fused_lm_head=True`, TRL's `FusedCausalLMOutput`, its
+            per-token fields (batch_size, seq_len - 1).
+        """
+        kwargs[compat.NEW_CACHE_NAME] = cache
+        cache = compat.pop_cache(kwargs)  # `cache`, or its old name `past_key_values`
+        disabled = self._adapters_disabled()
+        if fused_lm_head:
+            check_fused_call(labels, shift_labels, cache)
+            ensure_fused_head(self.model)
+            if disabled:  # the base model alone: its own fused head
+                return self.model(
+                    input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, labels=labels,
+                    num_items_in_batch=num_items_in_batch, fused_lm_head=True, **kwargs,
+                )
+        elif shift_labels is not None:
+            kwargs["shift_labels"] = shift_labels  # refused by name below, as any argument the passes cannot take
+        if cache is not None and not disabled:
+            check_continuation_arguments(labels, prompt_mask)
+        if disabled or cache is not None:
+            # The base model alone, or a causal continuation of the cache with the causal weights (routed between
+            # passes).
+            return self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                **compat.with_cache(self.model, cache),
+                **kwargs,
+            )
+        inputs = check_training_inputs(
+            input_ids, inputs_embeds, attention_mask, labels, prompt_mask, kwargs, self._position_limit
+        )
+        sequence = inputs.sequence
+        layout = ConversationLayout.from_inputs(
+            inputs, mode=self.peft_config[self.active_adapter].multi_turn, read_rows_without_answer=fused_lm_head
+        )
+        check_sharding(self._router.index.decoder_layer_paths, num_layers(self.model), self.mixer)
+        with self._router.checkpointing_keeps_caches():
+            answer_outputs = self._passes().run_layout(layout, sequence, fused_head=fused_lm_head)
+        if fused_lm_head:
+            return fused_output(layout, answer_outputs, sequence.shape[:2], num_items_in_batch)
+        answer_logits = [output.logits for output in answer_outputs]
+        loss = None
+        if labels is not None:
+            loss = answer_loss(answer_logits, [turn.answer.labels for turn in layout.turns], num_items_in_batch)
+        logits = layout.scatter_answers(answer_logits, sequence.shape[0], sequence.shape[1])
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, cache: BituneCache | None = None
+    ) -> BituneCache:
+        """
+        Read left-padded prompts twice and return the mixed cache of every prompt minus its last token.
+
+        The result is a `BituneCache` (a transformers `DynamicCache`) holding `input_ids.shape[1] - 1` positions; pass
+        it to `generate` with the full `input_ids`, or continue with forward calls (causal weights).
+
+        With `cache` (of an earlier `generate` or `prefill` of this model), `input_ids` is the conversation the cache
+        stands for (`cache.conversation_ids`) followed by a new instruction, as for `generate`: what the cache has not
+        read of the conversation runs causally, then the new instruction minus its last token is read twice and mixed.
+        The cache is extended in place and returned, ready for `generate` with the same `input_ids`. Laying out a
+        conversation turn by turn without decoding (e.g. a server re-reading a chat history) is a chain of these,
+        each with `cache.record_conversation` first naming the answer the next instruction follows.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the prompts, left-padded.
+            attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
+            cache (`BituneCache`, *optional*): the conversation to continue.
+        """
+        check_token_ids(input_ids)
+        with generation.checkpointing_off(self._router.index.checkpoint_layers):
+            if cache is None:
+                prompts = check_prompts(input_ids, attention_mask, self._position_limit)
+                return generation.prefill_cache(self._passes(), prompts)
+            _check_is_bitune_cache(cache)
+            prompts = cache.checked_continuation(self.model, input_ids, attention_mask, self._position_limit)
+            generation.continue_conversation(self._passes(), cache, prompts)
+            cache.remember_conversation(prompts.input_ids[:, :-1], prompts.attention_mask[:, :-1])
+            return cache
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """
+        Bitune generation. Every argument of transformers' `generate` works as there.
+
+        Without `cache`, the whole non-padding input is the instruction: prompts must be left-padded.
+        With `cache` (the cache of an earlier Bitune `generate`, `output.cache` with `return_dict_in_generate=True`),
+        `input_ids` is the conversation so far (the earlier output sequences) followed by the new instruction,
+        left-padded within the new part; only the new part is read. Before transformers 5.24 both were called
+        `past_key_values`; that name is accepted too.
+
+        With `inputs_embeds` (the embeddings of every `input_ids` position, as transformers takes them), every pass
+        reads the embeddings, and `input_ids` only names the tokens (in the output, and to check a continued chat).
+
+        With beam search, the returned cache holds exactly the returned sequences, row for row, so that a conversation
+        can go on from any of them. Assisted generation (`assistant_model`, `prompt_lookup_num_tokens`, ...) is
+        refused, and so is a prompt plus `max_new_tokens` longer than the model's positions (see `max_positions`).
+
+        With `output_attentions=True`, the attentions of the first step cover only the last prompt token (query length
+        1, over the mixed cache), not the whole prompt as with the base model: the rest of the prompt was read by the
+        two prompt passes. `peft_bitune.visualize.attention_maps` returns the attention of those passes.
+        """
+        if self._adapters_disabled():
+            cache = compat.pop_cache(kwargs)
+            if cache is not None:
+                kwargs[compat.CACHE_NAME] = cache
+            return self.model.generate(*args, **kwargs)
+        if args:
+            if "input_ids" in kwargs or len(args) > 1:
+                raise TypeError("Pass the prompt once, as `input_ids`; other `generate` arguments by keyword.")
+            kwargs["input_ids"] = args[0]
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None:
+            raise ValueError(
+                "Bitune `generate` needs `input_ids`, also with `inputs_embeds` (then the ids of the same positions): "
+                "the output names the prompt by them, and a conversation is continued and checked by them."
+            )
+        cache = compat.pop_cache(kwargs)
+        check_token_ids(input_ids)
+        # transformers' own resolution and checks of the generation arguments, before the prompt passes run.
+        generation_config = generation.checked_generation_config(self.model, kwargs)
+        attention_mask = kwargs.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = compat.inferred_attention_mask(self.model, input_ids, generation_config)
+        inputs_embeds = kwargs.get("inputs_embeds")
+        if cache is None:
+            prompts = check_prompts(input_ids, attention_mask, self._position_limit, inputs_embeds)
+        else:
+            _check_is_bitune_cache(cache)
+            prompts = cache.checked_continuation(
+                self.model, input_ids, attention_mask, self._position_limit, inputs_embeds
+            )
+        check_generation_fits(
+            self._position_limit,
+            generation_config,
+            generation.max_length_is_set(self.model, kwargs),
+            prompts.attention_mask,
+        )
+        with generation.checkpointing_off(self._router.index.checkpoint_layers):
+            return generation.decode(self._passes(), prompts, cache, generation_config, kwargs)
+
+    # ------------------------------------------------------------------ checkpoint keys (PEFT's hooks)
+    @classmethod
+    def _get_adapter_state_dict(
+        cls,
+        model: nn.Module,
+        config: Any,
+        adapter_name: str,
+        state_dict: dict[str, torch.Tensor],
+        unwanted_adapter_names: list[str],
+    ) -> dict[str, torch.Tensor]:
+        """The entries of `adapter_name` a checkpoint holds (`checkpoint_keys.saved_adapter_state`)."""
+        return saved_adapter_state(cls, model, config, adapter_name, state_dict)
+
+    @classmethod
+    def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:
+        """A model key as a checkpoint names it, without the adapter name (`checkpoint_keys.checkpoint_key`)."""
+        return checkpoint_key(key, adapter_name)
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(
+        cls, model: nn.Module, config: Any, adapter_name: str, state_dict: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """A checkpoint's keys as the model names them, after checking it holds exactly this adapter's weights
+        (`checkpoint_keys.loaded_adapter_state`)."""
+        return loaded_adapter_state(cls, model, config, adapter_name, state_dict)
+
+
+def _check_is_bitune_cache(cache: Any) -> None:
+    if not isinstance(cache, BituneCache):
+        raise ValueError(
+            f"`cache` must be the cache of an earlier Bitune `generate` or `prefill` of this model "
+            f"(a BituneCache), got {type(cache).__name__}. Bitune needs to know where the previous answer ends."
         )

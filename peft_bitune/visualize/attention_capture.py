@@ -22,7 +22,7 @@ from torch import nn
 from .. import compat
 from ..constants import BIDIRECTIONAL, CAUSAL, WeightSet
 from ..tuner.caches import pass_cache
-from ..tuner.checks import attention_mask_for, has_holes, positions_for
+from ..tuner.checks import attention_mask_for, check_contiguous_rows, positions_for
 from ..tuner.find_tuner import require_bitune_tuner
 from ..tuner.model import BituneModel
 from ..tuner.passes import BitunePasses, decoder_of
@@ -174,8 +174,7 @@ def _prompt_pass_tokens(
             f"Prompt rows {rows} have fewer than 2 tokens. The prompt passes read every token of the prompt but the "
             "last, so a prompt needs at least 2 tokens to have an attention map."
         )
-    if bool(has_holes(valid).any()):
-        raise ValueError("Prompts have padding between real tokens; pad on one side only (left or right).")
+    check_contiguous_rows(valid)
     last = seq_len - 1 - valid.flip(1).int().argmax(dim=1)
     prefix_mask = valid.clone()
     prefix_mask[torch.arange(valid.shape[0], device=valid.device), last] = False
