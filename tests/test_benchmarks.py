@@ -109,10 +109,10 @@ def test_bf16_autocast_compares_each_precision_with_float64(tmp_path):
 
 
 @pytest.mark.slow
-def test_early_stop_measurement_prints_a_ratio_per_cell():
+def test_prompt_pass_end_measurement_prints_a_ratio_per_cell():
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    result = subprocess.run([sys.executable, str(BENCHMARKS / "early_stop.py"), "--model", "tiny", "--rounds", "1"],
-                            capture_output=True, text=True, env=env, timeout=600)
+    command = [sys.executable, str(BENCHMARKS / "prompt_pass_end.py"), "--model", "tiny", "--rounds", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("tiny")]
     assert [(" ".join(row[1:-6]), *map(int, row[-6:-3])) for row in rows] == [

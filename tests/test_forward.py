@@ -461,7 +461,7 @@ def test_a_hook_on_the_final_norm_sees_every_pass(load_base):
     assert len(calls) == 3
 
 
-def test_hooks_on_earlier_layers_leave_the_early_stop_on(load_base):
+def test_hooks_on_earlier_layers_leave_the_prompt_pass_end_on(load_base):
     # Earlier layers finish before a pass stops, so their hooks see all three passes anyway.
     model = make_bitune(load_base("llama"))
     calls = []

@@ -8,7 +8,7 @@ which gets `stop_after_record` from `BitunePasses.stop_early`), and `BitunePasse
 through `ending_at_complete_record`. Nothing else in the package raises or catches it.
 
 What it saves is the last layer's share of each prompt pass, about 1/L of it for L layers. Measured by
-`benchmarks/early_stop.py` with one CPU thread (the CPU time of `prefill` and of a training step's forward and
+`benchmarks/prompt_pass_end.py` with one CPU thread (the CPU time of `prefill` and of a training step's forward and
 backward, interleaved, with and without the stop): on the shape of SmolLM2-135M (30 layers) 1.5% of the prefill and
 2% of a training step at batch 8 and 1, prompt 128, answer 32; on the 4-layer `small` benchmark shape 18% of the
 prefill and 7% of a training step at batch 8.

@@ -167,14 +167,13 @@ def _prompt_pass_tokens(
     attention_mask = attention_mask_for(input_ids, attention_mask)
     valid = attention_mask.bool()
     seq_len = valid.shape[1]
-    lengths = valid.sum(dim=1)
+    lengths = check_contiguous_rows(valid)
     if bool((lengths < 2).any()):
         rows = format_rows((lengths < 2).nonzero().flatten().tolist())
         raise ValueError(
             f"Prompt rows {rows} have fewer than 2 tokens. The prompt passes read every token of the prompt but the "
             "last, so a prompt needs at least 2 tokens to have an attention map."
         )
-    check_contiguous_rows(valid)
     last = seq_len - 1 - valid.flip(1).int().argmax(dim=1)
     prefix_mask = valid.clone()
     prefix_mask[torch.arange(valid.shape[0], device=valid.device), last] = False

@@ -1,5 +1,5 @@
 """
-What does ending a prompt pass at its last layer's keys/values save (`peft_bitune/early_stop.py`)? Measured.
+What does ending a prompt pass at its last layer's keys/values save (`peft_bitune/tuner/prompt_pass_end.py`)? Measured.
 
 A prompt pass feeds nothing but the keys/values its layers write, so it may end right after the last layer's; without
 that, the last layer's attention output and MLP and the final norm run for nothing. This script times Bitune's prefill
@@ -7,8 +7,8 @@ that, the last layer's attention output and MLP and the final norm run for nothi
 every pass run to its end, interleaved, on the same model and batch. The saving is about 1/L of each prompt pass for
 L layers, so it matters on shallow shapes and little on deep ones:
 
-    python benchmarks/early_stop.py                   # `small` and `smollm2` shapes, CPU, one thread
-    python benchmarks/early_stop.py --model smollm2   # one shape
+    python benchmarks/prompt_pass_end.py                   # `small` and `smollm2` shapes, CPU, one thread
+    python benchmarks/prompt_pass_end.py --model smollm2   # one shape
 """
 
 from __future__ import annotations
