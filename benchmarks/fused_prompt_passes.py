@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from measure import Clock, Ratio, RoundPolicy, interleaved_rounds  # noqa: E402
 from models import MODEL_SIZES, build_pair, prompt_batch  # noqa: E402
 from peft_bitune.tuner.caches import pass_cache  # noqa: E402
-from peft_bitune.utils.model_config import num_layers  # noqa: E402
+from peft_bitune.utils.base_model import num_layers  # noqa: E402
 
 CELLS = [(1, 128), (8, 32), (8, 128), (16, 128)]  # (batch, prompt length)
 

@@ -153,7 +153,7 @@ def test_persistence_and_utilities_never_import_the_method():
     """Persistence (the hooks the tuner calls) and the utilities sit below the method."""
     graph = import_graph()
     below = [name for name in graph if name.startswith(("peft_bitune.persistence", "peft_bitune.utils"))]
-    assert "peft_bitune.persistence.checkpoint_keys" in below and "peft_bitune.utils.model_config" in below
+    assert "peft_bitune.persistence.checkpoint_keys" in below and "peft_bitune.utils.base_model" in below
     arrows = {
         name: sorted(t for t in reachable_from(graph, name) if t.startswith("peft_bitune.tuner") or t == "peft_bitune")
         for name in below

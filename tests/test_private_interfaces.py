@@ -16,7 +16,7 @@ from bitsandbytes_support import why_bitsandbytes_cannot_run
 from peft_bitune import BituneConfig, compat
 from peft_bitune.constants import BITUNE_TYPE_NAME, inner_adapter_name
 from peft_bitune.tuner.caches import pass_cache
-from peft_bitune.utils.model_config import num_layers
+from peft_bitune.utils.base_model import num_layers
 from reference import make_bitune
 from tiny_models import VOCAB
 

@@ -14,7 +14,7 @@ import re
 import warnings
 from typing import Any
 
-from ..utils.model_config import num_layers, text_config
+from ..utils.base_model import num_layers, text_config
 
 # A Hub cache snapshot folder, `.../models--<owner>--<name>/snapshots/<revision>`, names the repo `<owner>/<name>`.
 _HUB_CACHE_SNAPSHOT = re.compile(r"models--(?P<repo>[^/\\]+)[/\\]snapshots[/\\]")

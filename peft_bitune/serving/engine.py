@@ -29,7 +29,7 @@ from transformers import StoppingCriteriaList
 from .. import compat
 from ..tuner.caches import BituneCache
 from ..tuner.find_tuner import find_bitune_tuner
-from ..utils.model_config import max_positions
+from ..utils.base_model import max_positions
 from .batching import RowStops, row_cache, stack_left_padded
 from .conversations import ConversationStore, KeptConversation
 from .prompts import Prompt, PromptBuilder, PromptLayoutError

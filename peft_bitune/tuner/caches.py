@@ -208,7 +208,7 @@ class BituneCache(DynamicCache):
             input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the conversation so far, then the new
                 tokens.
             attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
-            position_limit (`int`, *optional*): the model's positions (`utils.model_config.max_positions`).
+            position_limit (`int`, *optional*): the model's positions (`utils.base_model.max_positions`).
             inputs_embeds (`torch.Tensor`, *optional*): the embeddings of every `input_ids` position.
         """
         if not self.belongs_to(model):

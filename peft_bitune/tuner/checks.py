@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from ..constants import IGNORE_INDEX
+from ..utils.base_model import text_config
 from ..utils.messages import first_true, format_rows
-from ..utils.model_config import text_config
 
 
 # ------------------------------------------------------------------------------------------------ one rule each

@@ -36,7 +36,7 @@ from ..constants import (
 )
 from ..persistence.base_model_records import match_base_model
 from ..persistence.checkpoint_keys import checkpoint_key, loaded_adapter_state, saved_adapter_state
-from ..utils.model_config import max_positions, num_layers
+from ..utils.base_model import max_positions, num_layers
 from . import generation
 from .caches import BituneCache
 from .checks import (

@@ -26,7 +26,7 @@ from transformers.cache_utils import Cache
 
 from .. import compat
 from ..constants import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, SecondPassAttention, WeightSet
-from ..utils.model_config import num_layers
+from ..utils.base_model import decoder_of, num_layers
 from .caches import PendingMix, computed, mix_recorded, pass_cache, recorded_key_values
 from .layout import Chunk, ConversationLayout, Turn
 from .mixing import BituneKVMixer, at_least_float32
@@ -230,8 +230,3 @@ def _pass_cache(
     """A pass cache over what the batch has built so far (nothing for its first pass)."""
     keys, values = (None, None) if cache is None else (cache.keys, cache.values)
     return pass_cache(num_layers(model), keys, values, record=record, stop_after_last_record=stop_after_last_record)
-
-
-def decoder_of(model: nn.Module) -> nn.Module:
-    """The decoder stack under the LM head (e.g. `LlamaModel` inside `LlamaForCausalLM`)."""
-    return model.get_decoder() if hasattr(model, "get_decoder") else model.base_model

@@ -21,7 +21,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .. import compat
-from .passes import decoder_of
+from ..utils.base_model import decoder_of
 from .prompt_pass_end import may_end_early, modules_left_early
 from .sharding import LayerPath
 

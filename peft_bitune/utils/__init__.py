@@ -1,5 +1,5 @@
 """
-Small helpers with no knowledge of the method: what a base model's config says (`model_config.py`), type checks of
+Small helpers with no knowledge of the method: what peft-bitune reads of a base model (`base_model.py`), type checks of
 config fields (`field_types.py`), numbers from a command line (`command_line_numbers.py`) and pieces of error messages
 (`messages.py`).
 """

@@ -25,9 +25,9 @@ from ..tuner.caches import pass_cache
 from ..tuner.checks import attention_mask_for, check_contiguous_rows, positions_for
 from ..tuner.find_tuner import require_bitune_tuner
 from ..tuner.model import BituneModel
-from ..tuner.passes import BitunePasses, decoder_of
+from ..tuner.passes import BitunePasses
+from ..utils.base_model import decoder_of, num_layers, text_config
 from ..utils.messages import format_rows
-from ..utils.model_config import num_layers, text_config
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""What peft-bitune reads from a base model's config: its text part, its number of layers, how many positions a
-sequence may take."""
+"""What peft-bitune reads of a base model: its config's text part, its number of layers, how many positions a
+sequence may take, and its decoder stack."""
 
 from __future__ import annotations
 
@@ -51,3 +51,8 @@ def slides_on_every_layer(config: Any) -> bool:
 def num_layers(model: Any) -> int:
     """The number of decoder layers, which is the number of key/value cache layers."""
     return text_config(model).num_hidden_layers
+
+
+def decoder_of(model: Any) -> Any:
+    """The decoder stack under the LM head (e.g. `LlamaModel` inside `LlamaForCausalLM`)."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
