@@ -23,8 +23,8 @@ Parts, each stopped at its time budget (`BUDGETS_S`; what it did not reach is ma
   with checkpointing, for each method of benchmarks/training_memory.py (LoRA's loss as TRL's SFTTrainer computes it).
 
 On the lent H200 (torch 2.11, transformers 5.17, no network), everything it imports is there except peft (declared
-`peft>=0.21.0,<0.22`) and, for LoRA's TRL loss in the memory part, trl and what `trl.trainer.utils` imports that the
-image lacks (datasets, dill, multiprocess). Here, in the repository root:
+`peft>=0.21.0,<0.22`) and, for the TRL loss of LoRA and Bitune in the memory part, trl and what `trl.trainer.utils`
+imports that the image lacks (datasets, dill, multiprocess). Here, in the repository root:
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
@@ -409,9 +409,9 @@ def check_memory(config, plan: Plan, device: torch.device) -> dict:
     result = {"batch": dict(zip(("batch_size", "prompt_length", "answer_length"), plan.memory_batch)),
               "dtype": "bfloat16", "checkpointing": True, "peak_bytes": {}, "not_measured": {}}
     for method in training_memory.METHODS:
-        if method == "lora":
+        if method in training_memory.FUSED_HEAD_METHODS:
             try:
-                import trl.trainer.utils  # noqa: F401  (LoRA's loss as SFTTrainer computes it)
+                import trl.trainer.utils  # noqa: F401  (the loss as SFTTrainer computes it, through TRL's fused head)
             except Exception as error:  # not installed, or its own needs are not: the other methods still count
                 reason = f"trl does not import ({type(error).__name__}: {error}); carry its wheels"
                 result["not_measured"][method] = reason
@@ -420,9 +420,9 @@ def check_memory(config, plan: Plan, device: torch.device) -> dict:
             config, method, True, plan.memory_batch, device, torch.bfloat16, skip_arithmetic=device.type == "cpu")
         free_memory()
     peaks = result["peak_bytes"]
-    if "lora" in peaks:
+    if "bitune" in peaks:  # measured unless TRL is missing, and then neither is LoRA's fused-head step
         result["bitune_over_lora"] = peaks["bitune"] / peaks["lora"]
-    result["bitune_over_lora_full_logits"] = peaks["bitune"] / peaks["lora_full_logits"]
+        result["bitune_over_lora_full_logits"] = peaks["bitune"] / peaks["lora_full_logits"]
     return result
 
 

@@ -83,6 +83,20 @@ def test_smoke_run_on_the_cpu_writes_every_field(tmp_path):
         assert memory["bitune_over_lora"] == memory["peak_bytes"]["bitune"] / memory["peak_bytes"]["lora"]
 
 
+def test_without_trl_the_memory_part_measures_what_needs_no_fused_head(monkeypatch):
+    """LoRA's and Bitune's steps both go through TRL's fused head: without TRL neither is measured (each says why),
+    and no ratio is reported; the plain LoRA step still is."""
+    monkeypatch.setitem(sys.modules, "trl.trainer.utils", None)  # `import trl.trainer.utils` now raises ImportError
+    plan = gpu_check.Plan(smoke=True)
+    _, config = plan.configs()[1]
+    memory = gpu_check.check_memory(config, plan, torch.device("cpu"))
+    assert set(memory["peak_bytes"]) == {"lora_full_logits"}
+    assert positive_finite(memory["peak_bytes"]["lora_full_logits"])
+    assert set(memory["not_measured"]) == set(training_memory.FUSED_HEAD_METHODS)
+    assert all("trl does not import" in reason for reason in memory["not_measured"].values())
+    assert not any(key.startswith("bitune_over") for key in memory)
+
+
 def test_cuda_without_a_gpu_is_refused_in_one_line_before_any_model_is_built(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(gpu_check, "random_base", lambda *args, **kwargs: pytest.fail("a model was built"))
