@@ -34,7 +34,8 @@ def check_lr_ratio(name: str, ratio: Any) -> None:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio <= 0:
         raise ValueError(
             f"`{name}` must be a finite positive number (a multiple of the base learning rate), got {ratio!r}. "
-            "To freeze the mixing scalars, use `BituneConfig(train_mixing=False)` instead of a zero rate."
+            "To freeze the mixing scalars, set `train_mixing` to false (a `BituneConfig` field and a bitune-sft flag) "
+            "instead of a zero rate."
         )
 
 

@@ -215,10 +215,10 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
         self.check()
         if self.mixed_layers is not None and max(self.mixed_layers) >= num_layers:
             outside = [layer for layer in self.mixed_layers if layer >= num_layers]
+            lower_half_end = max(num_layers // 2, 1) - 1
             raise ValueError(
                 f"`mixed_layers` names layers {outside}, but the model has {num_layers} decoder layers (0 to "
-                f"{num_layers - 1}). Choose layers in that range, e.g. `list(range({num_layers // 2}))` for the lower "
-                "half."
+                f"{num_layers - 1}). Choose layers in that range (the lower half is 0 to {lower_half_end})."
             )
 
     @property
