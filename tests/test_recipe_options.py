@@ -207,6 +207,26 @@ def test_the_trainer_builds_its_optimizer_with_the_rates_and_the_schedule_keeps_
     assert current["bitune_bidirectional"] == pytest.approx(2 * current["bitune_causal"])
 
 
+def test_ratios_changed_after_the_optimizer_was_made_are_refused_not_ignored(trl_model_dir, tmp_path):
+    """A trainer makes its optimizer once; a ratio changed before a second `train()` would be ignored, so it is
+    refused, and takes effect once the optimizer is dropped."""
+    trainer = helpers.make_trainer(trl_model_dir, tmp_path, learning_rate=1e-2, mixing_lr_ratio=0.5, max_steps=1)
+    trainer.train()
+    trainer.args.mixing_lr_ratio = 0.25
+    with pytest.raises(ValueError, match=r"now \(1.0, 0.25\), but this trainer's optimizer was made with \(1.0, 0.5"):
+        trainer.train()
+    trainer.optimizer = None
+    trainer.train()
+    rates = {group["name"]: group["initial_lr"] for group in trainer.optimizer.param_groups}
+    assert any(name.startswith("bitune_mixing") and rate == pytest.approx(2.5e-3) for name, rate in rates.items())
+
+    default = helpers.make_trainer(trl_model_dir, tmp_path / "default", max_steps=1)
+    default.train()
+    default.args.bidirectional_lr_ratio = 2.0
+    with pytest.raises(ValueError, match=r"made with \(1.0, 1.0\)"):
+        default.train()
+
+
 def test_default_rates_keep_the_trainers_own_optimizer(trl_model_dir, tmp_path):
     trainer = helpers.make_trainer(trl_model_dir, tmp_path, max_steps=1)
     trainer.create_optimizer()

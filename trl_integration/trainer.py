@@ -202,10 +202,21 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer, with the learning rate of each part of the adapter when
         `args.bidirectional_lr_ratio` or `args.mixing_lr_ratio` differ from 1 (`peft_bitune.training.optimizers`)."""
-        default_rates = self.args.bidirectional_lr_ratio == 1.0 and self.args.mixing_lr_ratio == 1.0
+        rates = (self.args.bidirectional_lr_ratio, self.args.mixing_lr_ratio)
+        default_rates = rates == (1.0, 1.0)
         if self.optimizer is not None and self.optimizer is self._given_optimizer and not default_rates:
             raise ValueError(OWN_OPTIMIZER_WITH_RATIOS)  # the ratios were set after the trainer was made
+        made_with = self.__dict__.get("_optimizer_rates")  # the ratios of the optimizer this method made, if any
+        if self.optimizer is not None and made_with is not None and rates != made_with:
+            raise ValueError(
+                f"`bidirectional_lr_ratio` and `mixing_lr_ratio` are now {rates}, but this trainer's optimizer was "
+                f"made with {made_with} (by an earlier `train()`), and a trainer makes its optimizer once: the new "
+                "ratios would be ignored. Set `trainer.optimizer = None` before `train()` to make it again with the "
+                "new ratios (its state starts afresh), or make a new trainer."
+            )
         if self.optimizer is not None or default_rates:
+            if self.optimizer is None:
+                self._optimizer_rates = rates
             return super().create_optimizer(model) if model is not None else super().create_optimizer()
         opt_model = self.model if model is None else model
         if self.optimizer_cls_and_kwargs is not None:
@@ -225,6 +236,7 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
             self.args.weight_decay, self.get_decay_parameter_names(opt_model),
         )
         self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        self._optimizer_rates = rates
         return self.optimizer
 
     # ------------------------------------------------------------------ the recipe of a resumed run
