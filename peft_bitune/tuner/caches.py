@@ -1,4 +1,5 @@
-"""Key/value caches of the passes, the mix of two recorded prompt passes, and the conversation cache.
+"""Key/value caches of the passes, the mix of two recorded prompt passes, what a training batch has built so far
+(`TrainingCache`), and the conversation cache.
 
 Each pass reads the keys/values built so far and may record its own. Two properties matter, and transformers'
 `DynamicCache` has neither:
@@ -348,6 +349,56 @@ def mix_recorded(
         return mixes if pending else [computed(tensor) for tensor in mixes]
 
     return mix(causal_keys, bidirectional_keys, key_alpha), mix(causal_values, bidirectional_values, value_alpha)
+
+
+@dataclass
+class TrainingCache:
+    """
+    The keys/values a training batch has built so far: one tensor per layer (or the `PendingMix` of its first
+    instruction), with its mask.
+
+    It is kept left-padded (each row's real positions at the right end), so that the next chunk, right-padded, gives
+    each row one contiguous run of real tokens: all that transformers' mask machinery needs (see `layout.py`).
+    """
+
+    keys: list[torch.Tensor | PendingMix]
+    values: list[torch.Tensor | PendingMix]
+    mask: torch.Tensor
+
+    @classmethod
+    def extend(
+        cls,
+        cache: TrainingCache | None,
+        keys: list[torch.Tensor | PendingMix],
+        values: list[torch.Tensor | PendingMix],
+        mask: torch.Tensor,
+    ) -> TrainingCache:
+        """Append a chunk; a right-padded chunk after a cache is padded to the left again (a gather per layer). A
+        pending mix is computed once it is joined to a later turn: only the first instruction's stays pending."""
+        if cache is None:
+            return cls(keys, values, mask)
+        mask = torch.cat([cache.mask, mask], dim=1)
+        keys = [torch.cat([computed(old), computed(new)], dim=-2) for old, new in zip(cache.keys, keys)]
+        values = [torch.cat([computed(old), computed(new)], dim=-2) for old, new in zip(cache.values, values)]
+        repadded = repad_left(mask, *keys, *values)
+        count = len(keys)
+        return cls(list(repadded[1 : 1 + count]), list(repadded[1 + count :]), repadded[0])
+
+
+def repad_left(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """
+    Pad each row on the left: move its real positions to the right end (padding first, order kept) and drop columns
+    that are padding in every row. `mask` is (rows, seq); each tensor is (rows, heads, seq, head_dim). Returns the
+    mask, then the tensors.
+    """
+    order = torch.sort(mask.int(), dim=1, stable=True).indices
+    drop = int((mask == 0).sum(dim=1).min())
+    order = order[:, drop:]
+    repadded = [mask.gather(1, order)]
+    for tensor in tensors:
+        index = order[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+        repadded.append(tensor.gather(2, index))
+    return tuple(repadded)
 
 
 def append_key_values(cache: DynamicCache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:

@@ -8,7 +8,7 @@ at once:
 - the first prefill chunk is left-padded, so every row's instruction ends at the same column;
 - later chunks are right-padded, so each row continues right where its cache ends.
 
-The passes keep their cache left-padded (real tokens at the right end, see `passes.TrainingCache`), so cache plus chunk
+The passes keep their cache left-padded (real tokens at the right end, see `caches.TrainingCache`), so cache plus chunk
 always gives each row one contiguous run of real tokens: all that transformers' mask machinery (padding, sliding
 windows) needs. Positions are the ordinary 0..n-1 of each row.
 """

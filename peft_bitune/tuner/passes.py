@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 from .. import compat
 from ..constants import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, SecondPassAttention, WeightSet
 from ..utils.base_model import decoder_of, num_layers
-from .caches import PendingMix, computed, mix_recorded, pass_cache, recorded_key_values
+from .caches import PendingMix, TrainingCache, mix_recorded, pass_cache, recorded_key_values
 from .layout import Chunk, ConversationLayout, Turn
 from .mixing import BituneKVMixer, at_least_float32
 from .prompt_pass_end import ending_at_complete_record
@@ -172,56 +172,6 @@ def answer_loss(
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
-
-
-@dataclass
-class TrainingCache:
-    """
-    The keys/values a training batch has built so far: one tensor per layer (or the `PendingMix` of its first
-    instruction), with its mask.
-
-    It is kept left-padded (each row's real positions at the right end), so that the next chunk, right-padded, gives
-    each row one contiguous run of real tokens: all that transformers' mask machinery needs (see `layout.py`).
-    """
-
-    keys: list[torch.Tensor | PendingMix]
-    values: list[torch.Tensor | PendingMix]
-    mask: torch.Tensor
-
-    @classmethod
-    def extend(
-        cls,
-        cache: TrainingCache | None,
-        keys: list[torch.Tensor | PendingMix],
-        values: list[torch.Tensor | PendingMix],
-        mask: torch.Tensor,
-    ) -> TrainingCache:
-        """Append a chunk; a right-padded chunk after a cache is padded to the left again (a gather per layer). A
-        pending mix is computed once it is joined to a later turn: only the first instruction's stays pending."""
-        if cache is None:
-            return cls(keys, values, mask)
-        mask = torch.cat([cache.mask, mask], dim=1)
-        keys = [torch.cat([computed(old), computed(new)], dim=-2) for old, new in zip(cache.keys, keys)]
-        values = [torch.cat([computed(old), computed(new)], dim=-2) for old, new in zip(cache.values, values)]
-        repadded = repad_left(mask, *keys, *values)
-        count = len(keys)
-        return cls(list(repadded[1 : 1 + count]), list(repadded[1 + count :]), repadded[0])
-
-
-def repad_left(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """
-    Pad each row on the left: move its real positions to the right end (padding first, order kept) and drop columns
-    that are padding in every row. `mask` is (rows, seq); each tensor is (rows, heads, seq, head_dim). Returns the
-    mask, then the tensors.
-    """
-    order = torch.sort(mask.int(), dim=1, stable=True).indices
-    drop = int((mask == 0).sum(dim=1).min())
-    order = order[:, drop:]
-    repadded = [mask.gather(1, order)]
-    for tensor in tensors:
-        index = order[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
-        repadded.append(tensor.gather(2, index))
-    return tuple(repadded)
 
 
 def _pass_cache(
