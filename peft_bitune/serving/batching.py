@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import StoppingCriteria
 
-from ..tuner.caches import BituneCache, append_key_values
+from ..tuner.caches import BituneCache
 from .streaming import StopStrings
 
 
@@ -43,7 +43,7 @@ def stack_left_padded(caches: Sequence[BituneCache], model: Any) -> BituneCache:
                 rows.append(F.pad(tensor, (0, 0, width - length, 0)))  # [1, kv_heads, width, head_dim]
             stacked.append(torch.cat(rows))  # [rows, kv_heads, width, head_dim]
     batched = BituneCache(config=model.config, owner=model)
-    append_key_values(batched, keys, values)
+    batched.append_key_values(keys, values)
     return batched
 
 
@@ -56,8 +56,7 @@ def row_cache(
     budget counts each kept cache's own bytes).
     """
     cache = BituneCache(config=model.config, owner=model)
-    append_key_values(
-        cache,
+    cache.append_key_values(
         [layer.keys[row : row + 1, :, start:end].clone() for layer in batched.layers],
         [layer.values[row : row + 1, :, start:end].clone() for layer in batched.layers],
     )

@@ -280,6 +280,17 @@ class BituneCache(DynamicCache):
             )
         return attention_mask
 
+    def append_key_values(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Append per-layer keys/values (the mixed prompt, or cache rows a server lays out) through each layer's own
+        `update`, which keeps its bookkeeping (a sliding-window layer keeps its window and counts what it dropped)
+        exactly as a forward would."""
+        if len(keys) != len(self.layers):
+            raise RuntimeError(
+                f"{len(keys)} layers of keys/values cannot extend a cache of {len(self.layers)} layers."
+            )
+        for layer_idx, (layer_keys, layer_values) in enumerate(zip(keys, values)):
+            self.update(layer_keys, layer_values, layer_idx)
+
     def belongs_to(self, model: torch.nn.Module) -> bool:
         """Whether this cache was made by `model` (the keys of another model would fit its shapes by accident)."""
         return self._owner is not None and self._owner() is model
@@ -399,12 +410,3 @@ def repad_left(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor
         index = order[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
         repadded.append(tensor.gather(2, index))
     return tuple(repadded)
-
-
-def append_key_values(cache: DynamicCache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """Append per-layer keys/values to a generation cache through each layer's own `update`, which keeps its
-    bookkeeping (a sliding-window layer keeps its window and counts what it dropped) exactly as a forward would."""
-    if len(keys) != len(cache.layers):
-        raise RuntimeError(f"{len(keys)} layers of keys/values cannot extend a cache of {len(cache.layers)} layers.")
-    for layer_idx, (layer_keys, layer_values) in enumerate(zip(keys, values)):
-        cache.update(layer_keys, layer_values, layer_idx)

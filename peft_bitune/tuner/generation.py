@@ -25,7 +25,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .. import compat
 from ..constants import CAUSAL
-from .caches import BituneCache, append_key_values, pass_cache, reading_pass_cache
+from .caches import BituneCache, pass_cache, reading_pass_cache
 from .checks import Prompts, positions_for
 from .passes import BitunePasses
 
@@ -44,7 +44,7 @@ def prefill_cache(passes: BitunePasses, prompts: Prompts) -> BituneCache:
         attention_mask=prompt_mask,
         position_ids=positions_for(prompt_mask),
     )
-    append_key_values(cache, *mixed)
+    cache.append_key_values(*mixed)
     return cache
 
 
@@ -62,7 +62,7 @@ def continue_conversation(passes: BitunePasses, cache: BituneCache, prompts: Pro
         attention_mask=prompts.attention_mask[:, : width - 1],
         position_ids=positions_for(prompts.attention_mask)[:, answered : width - 1],
     )
-    append_key_values(cache, *mixed)
+    cache.append_key_values(*mixed)
 
 
 def run_causally(
