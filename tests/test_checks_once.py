@@ -126,3 +126,21 @@ def test_a_training_forward_checks_each_rule_once(model, counted_checks):
     # Each of `attention_mask` and `labels` gets its shape check; a row's length is checked against the positions only
     # when the batch is wider than the model's positions.
     assert counted_checks == {"check_same_shape": 2, "check_contiguous_rows": 1}
+
+
+def test_the_position_limit_is_read_once_per_model(model, monkeypatch):
+    """Reading it builds a transformers cache from the config (to see whether every layer slides): once per model,
+    not on every forward and `generate`."""
+    from peft_bitune.tuner import model as tuner_module
+
+    calls = []
+    original = tuner_module.max_positions
+    monkeypatch.setattr(tuner_module, "max_positions", lambda base: calls.append(base) or original(base))
+    bitune = model.base_model
+    bitune.__dict__.pop("_position_limit_of", None)
+    input_ids = ids()
+    labels = input_ids.masked_fill(torch.arange(6) < 3, -100)
+    for _ in range(2):
+        model.train()(input_ids=input_ids, labels=labels)
+        model.eval().generate(input_ids=input_ids, max_new_tokens=2, do_sample=False)
+    assert calls == [bitune.model]
