@@ -28,7 +28,11 @@ _UPGRADE = "It was probably written by a newer version; upgrade with `pip instal
 
 
 class BituneConfigFileMixin:
-    """Checks on reading and writing `adapter_config.json`, and the model card written next to it."""
+    """Checks on reading and writing `adapter_config.json`, and the model card written next to it.
+
+    A mixin, not code in `tuner/config.py`: these are `PeftConfig`'s own file hooks (`from_pretrained`,
+    `save_pretrained`, ...), which PEFT calls on the config class, and they belong with the rest of what is on disk;
+    the method's config module then reads as the settings alone."""
 
     @classmethod
     def check_kwargs(cls, **kwargs: Any) -> dict[str, Any]:
