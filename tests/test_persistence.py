@@ -823,6 +823,35 @@ def test_an_unsafe_pickle_is_refused_on_loading_and_never_run(load_base, tmp_pat
     assert marker.read_text() == "ran"
 
 
+@pytest.mark.parametrize("damage", ["unsafe_pickle", "truncated_safetensors"])
+def test_damaged_weights_in_the_hub_cache_are_refused_before_peft_adds_the_adapter(load_base, tmp_path, monkeypatch,
+                                                                                    damage):
+    """From a Hub repo, the weights file PEFT will read is fetched into the cache first (offline: read from it) and
+    checked as a local one is: an unsafe pickle or a damaged file is refused, unrun, and the model gains nothing."""
+    import huggingface_hub
+
+    model = build(load_base, "lora")
+    safe, pickled = pickle_and_safetensors_saves(model, tmp_path)
+    marker = tmp_path / "payload-ran"
+    if damage == "unsafe_pickle":
+        folder, weights = pickled, pickled / "adapter_model.bin"
+        payload = RunsCode(f"open({str(marker)!r}, 'w').write('ran')")
+        torch.save({**torch.load(weights, weights_only=True), "payload": payload}, weights)
+        refused = r"adapter_model.bin' is refused by `torch.load\(weights_only=True\)`"
+    else:
+        folder, weights = safe, safe / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+        refused = "is not a complete safetensors file"
+    cache = tmp_path / "cache"
+    write_hub_snapshot(cache, "user/adapter", folder, commit_hash(damage), refs=("main",))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    keys = set(model.state_dict())
+    with pytest.raises(ValueError, match=rf"Cannot load the Bitune adapter 'user/adapter': .*{refused}"):
+        model.load_adapter("user/adapter", adapter_name="second", cache_dir=str(cache))
+    assert list(model.peft_config) == ["default"] and set(model.state_dict()) == keys
+    assert not marker.exists()
+
+
 def truncated_pickle(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])

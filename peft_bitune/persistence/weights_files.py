@@ -11,13 +11,14 @@ would leave a half-saved folder. When a folder holds both files, PEFT loads `ada
 `BituneConfig.save_pretrained` warns that the other one is ignored (`warn_if_two_weights_files`).
 
 Loading: `BituneConfig.from_pretrained`, which PEFT calls before it adds the adapter to the model and reads any
-weights, refuses an adapter without weights, and, in a local folder, a weights file that is a dangling link, a folder,
-not a complete safetensors file, or a pickle that PEFT's loader would refuse or fail on (`check_adapter_weights`).
+weights, refuses an adapter without weights, and a weights file (in a local folder or a Hub repo) that is a dangling
+link, a folder, not a complete safetensors file, or a pickle that PEFT's loader would refuse or fail on
+(`check_adapter_weights`).
 PEFT reads a pickle with `torch.load(weights_only=True)`, whose unpickler builds only tensors and plain containers and
 refuses anything else (a pickle that would run code) without running it. The check reads it the same way, first,
 because PEFT reads the weights only after it has added the adapter, and a read that fails leaves the adapter behind,
-randomly initialised. A Hub repo is checked for the presence of a weights file only: its content is read when PEFT
-downloads it, and an unsafe pickle is then refused by PEFT's loader.
+randomly initialised. From a Hub repo, the file PEFT will read is downloaded first (into the Hugging Face cache, where
+PEFT then finds it; offline, the cached copy is read) and checked the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 import huggingface_hub
 import torch
-from huggingface_hub import file_exists, try_to_load_from_cache
+from huggingface_hub import file_exists, hf_hub_download, try_to_load_from_cache
 from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
 from safetensors import SafetensorError, safe_open
 
@@ -61,17 +62,21 @@ def check_adapter_weights(model_id: str, subfolder: str | None = None, **hub_kwa
 
     Called by `BituneConfig.from_pretrained`, which both of PEFT's loaders (`PeftModel.from_pretrained`,
     `load_adapter`) call before they add the adapter to the model: PEFT adds it, then reads the weights, and a failed
-    read leaves it behind, randomly initialised, with a message that names no file. A Hub repo is checked for the
-    presence of a weights file only (its content is read when PEFT downloads it).
+    read leaves it behind, randomly initialised, with a message that names no file. From a Hub repo, the file PEFT
+    will read is downloaded into the Hugging Face cache first (PEFT then finds it there) and checked the same way.
     """
     folder = os.path.join(model_id, subfolder) if subfolder else model_id
     if os.path.isdir(folder):
         _check_local_weights(folder)
         return
-    if _in_repo(model_id, subfolder, SAFETENSORS_WEIGHTS_NAME, hub_kwargs):
-        return
-    if _in_repo(model_id, subfolder, WEIGHTS_NAME, hub_kwargs):
-        return  # PEFT reads it with torch.load(weights_only=True)
+    for name in (SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME):  # the file PEFT reads: safetensors if the repo has it
+        if _in_repo(model_id, subfolder, name, hub_kwargs):
+            _check_weights_file(
+                _hub_file(model_id, subfolder, name, hub_kwargs),
+                f"Cannot load the Bitune adapter '{model_id}'",
+                "Download the adapter again (remove it from the Hugging Face cache first). Nothing was loaded.",
+            )
+            return
     offline = huggingface_hub.constants.HF_HUB_OFFLINE or hub_kwargs.get("local_files_only")
     where = "the local Hugging Face cache (offline) holds" if offline else "the Hub repo holds"
     revision = f" at revision `{hub_kwargs['revision']}`" if hub_kwargs.get("revision") else ""
@@ -105,6 +110,12 @@ def _check_local_weights(folder: str) -> None:
             f"{cannot}: it has no {SAFETENSORS_WEIGHTS_NAME} (nor {WEIGHTS_NAME}), only its config (a save, copy or "
             f"download that stopped early, or only the config was copied). {again}"
         )
+    _check_weights_file(path, cannot, again)
+
+
+def _check_weights_file(path: str, cannot: str, again: str) -> None:
+    """The checks of a weights file that is there (in a folder, or in the Hugging Face cache): not a dangling link,
+    a regular file, and readable as PEFT reads it (a pickle by its extension, else safetensors)."""
     if not os.path.exists(path):
         raise ValueError(
             f"{cannot}: '{path}' is a symbolic link to '{os.readlink(path)}', which does not exist (a moved or "
@@ -113,7 +124,7 @@ def _check_local_weights(folder: str) -> None:
     if not os.path.isfile(path):
         kind = "a folder" if os.path.isdir(path) else "not a regular file"
         raise ValueError(f"{cannot}: '{path}' is {kind}; it must be the adapter's weights file. {again}")
-    if path == pickled:
+    if os.path.basename(path) == WEIGHTS_NAME:
         _check_pickle(path, cannot, again)
         return
     problem = safetensors_problem(path)
@@ -174,3 +185,18 @@ def _in_repo(model_id: str, subfolder: str | None, name: str, hub_kwargs: dict[s
         )
         return isinstance(cached, str)
     return file_exists(model_id, filename, revision=revision, repo_type=repo_type, token=hub_kwargs.get("token"))
+
+
+def _hub_file(model_id: str, subfolder: str | None, name: str, hub_kwargs: dict[str, Any]) -> str:
+    """The local path of a repo's file, downloaded into the Hugging Face cache as PEFT's loader downloads it (which
+    then finds it there), or the cached copy when offline."""
+    return hf_hub_download(
+        model_id,
+        name,
+        subfolder=subfolder or None,
+        revision=hub_kwargs.get("revision"),
+        repo_type=hub_kwargs.get("repo_type"),
+        cache_dir=hub_kwargs.get("cache_dir"),
+        token=hub_kwargs.get("token"),
+        local_files_only=bool(hub_kwargs.get("local_files_only")),
+    )
