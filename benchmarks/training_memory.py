@@ -19,8 +19,8 @@ before it (`measure.peak_bytes_during`: the weights and the batch are not counte
 - `lora_full_logits`: `model(**batch).loss`, transformers' own loss, with logits at every position (a plain
   `Trainer`, or TRL before the fused head). Skipped where those logits alone would pass `--memory_cap_gib`.
 - `bitune`: `BituneSFTTrainer`, whose loss is `SFTTrainer.compute_loss` itself: the same call, loss and metrics as
-  `lora`. The Bitune forward answers it from its answer passes (`peft_bitune/fused_head.py`), handing TRL's head each
-  answer chunk (x_m and the answer, A + 1 positions a row) instead of whole rows (P + A - 1); no logits are built.
+  `lora`. The Bitune forward answers it from its answer passes (`peft_bitune/tuner/fused_head.py`), handing TRL's head
+  each answer chunk (x_m and the answer, A + 1 positions a row) instead of whole rows (P + A - 1); no logits are built.
 
 The report's `lora_fused_head` and `bitune_fused_head` give TRL's head alone at each method's positions on the device
 measured: on a CPU it is most of each step's peak with checkpointing, and scores three times as many positions for
@@ -103,7 +103,7 @@ def step_function(model: torch.nn.Module, method: str, batch: dict[str, torch.Te
         model(**batch, use_cache=False).loss.backward()
 
     # LoRA through TRL's `SFTTrainer`, Bitune through `BituneSFTTrainer`, whose loss is `SFTTrainer.compute_loss`
-    # itself: the Bitune forward answers the fused-head call from its answer passes (peft_bitune/fused_head.py).
+    # itself: the Bitune forward answers the fused-head call from its answer passes (peft_bitune/tuner/fused_head.py).
     steps = {"lora": sft, "lora_full_logits": lora_full_logits, "bitune": sft}
 
     def step() -> None:

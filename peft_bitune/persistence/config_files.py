@@ -48,7 +48,7 @@ class BituneConfigFileMixin:
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs: Any) -> Any:
         """The config, read after checking that adapter_config.json is a JSON object and that the weights next to it
         can be read (see `check_adapter_weights`), and marked so that an adapter PEFT adds for it is removed again if
-        its weights are refused (see `persistence.mark_added_to_load`)."""
+        its weights are refused (see `checkpoint_keys.mark_added_to_load`)."""
         config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
         check_adapter_weights(str(pretrained_model_name_or_path), subfolder, **compat.hub_kwargs(cls, kwargs))
         mark_added_to_load(config)

@@ -40,6 +40,7 @@ from ..utils.base_model import max_positions, num_layers
 from . import generation
 from .caches import BituneCache
 from .checks import (
+    Prompts,
     check_base_model_supported,
     check_continuation_arguments,
     check_generation_fits,
@@ -426,12 +427,10 @@ class BituneModel(BaseTuner):
             cache (`BituneCache`, *optional*): the conversation to continue.
         """
         check_token_ids(input_ids)
+        prompts = self._checked_prompts(input_ids, attention_mask, cache)
         with generation.checkpointing_off(self._router.index.checkpoint_layers):
             if cache is None:
-                prompts = check_prompts(input_ids, attention_mask, self._position_limit)
                 return generation.prefill_cache(self._passes(), prompts)
-            _check_is_bitune_cache(cache)
-            prompts = cache.checked_continuation(self.model, input_ids, attention_mask, self._position_limit)
             generation.continue_conversation(self._passes(), cache, prompts)
             cache.remember_conversation(prompts.input_ids[:, :-1], prompts.attention_mask[:, :-1])
             return cache
@@ -479,14 +478,7 @@ class BituneModel(BaseTuner):
         attention_mask = kwargs.get("attention_mask")
         if attention_mask is None:
             attention_mask = compat.inferred_attention_mask(self.model, input_ids, generation_config)
-        inputs_embeds = kwargs.get("inputs_embeds")
-        if cache is None:
-            prompts = check_prompts(input_ids, attention_mask, self._position_limit, inputs_embeds)
-        else:
-            _check_is_bitune_cache(cache)
-            prompts = cache.checked_continuation(
-                self.model, input_ids, attention_mask, self._position_limit, inputs_embeds
-            )
+        prompts = self._checked_prompts(input_ids, attention_mask, cache, kwargs.get("inputs_embeds"))
         check_generation_fits(
             self._position_limit,
             generation_config,
@@ -495,6 +487,24 @@ class BituneModel(BaseTuner):
         )
         with generation.checkpointing_off(self._router.index.checkpoint_layers):
             return generation.decode(self._passes(), prompts, cache, generation_config, kwargs)
+
+    def _checked_prompts(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Any,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> Prompts:
+        """The prompts of `prefill` or `generate`, checked where they enter: fresh ones by `check_prompts`, a
+        conversation going on by its cache (`BituneCache.checked_continuation`)."""
+        if cache is None:
+            return check_prompts(input_ids, attention_mask, self._position_limit, inputs_embeds)
+        if not isinstance(cache, BituneCache):
+            raise ValueError(
+                f"`cache` must be the cache of an earlier Bitune `generate` or `prefill` of this model "
+                f"(a BituneCache), got {type(cache).__name__}. Bitune needs to know where the previous answer ends."
+            )
+        return cache.checked_continuation(self.model, input_ids, attention_mask, self._position_limit, inputs_embeds)
 
     # ------------------------------------------------------------------ checkpoint keys (PEFT's hooks)
     @classmethod
@@ -521,11 +531,3 @@ class BituneModel(BaseTuner):
         """A checkpoint's keys as the model names them, after checking it holds exactly this adapter's weights
         (`checkpoint_keys.loaded_adapter_state`)."""
         return loaded_adapter_state(cls, model, config, adapter_name, state_dict)
-
-
-def _check_is_bitune_cache(cache: Any) -> None:
-    if not isinstance(cache, BituneCache):
-        raise ValueError(
-            f"`cache` must be the cache of an earlier Bitune `generate` or `prefill` of this model "
-            f"(a BituneCache), got {type(cache).__name__}. Bitune needs to know where the previous answer ends."
-        )

@@ -144,7 +144,7 @@ class BitunePasses:
     def _gather_shards_for_recorded(self, cache: Cache) -> None:
         """Under FSDP2, the keys/values a prompt pass recorded leave each decoder layer through the cache, not through
         the layer's output (which the last layer's prompt pass never uses): have their gradient gather the layer's
-        parameters first (see `peft_bitune.sharding`)."""
+        parameters first (see `sharding.py`)."""
         paths = self.decoder_layer_paths
         if not torch.is_grad_enabled() or len(paths) != len(cache.layers):
             return  # nothing to gather for, or no one-to-one map from cache to decoder layers (`check_sharding`)
