@@ -724,10 +724,22 @@ def test_an_unknown_config_field_is_refused_with_the_upgrade_hint(load_base, tmp
     with pytest.raises(ValueError, match=r"\['future_option'\]"):
         AutoPeftModelForCausalLM.from_pretrained(tmp_path)
 
+
+
+def test_an_unknown_inner_config_field_is_dropped_with_peft_s_warning(load_base, tmp_path):
+    """PEFT's rule for its own configs: a field of the inner method's config written by a newer PEFT is dropped with a
+    warning, so that the adapter loads (and runs as saved) in an older PEFT."""
+    model = build(load_base, "lora")
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "adapter_config.json"
+    config = json.loads(path.read_text())
     config["adapter_config"]["future_lora_option"] = 1
     path.write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"`adapter_config` of .*\['future_lora_option'\].*pip install -U peft"):
-        PeftModel.from_pretrained(load_base("llama"), tmp_path)
+    with pytest.warns(UserWarning, match=r"\['future_lora_option'\] for class LoraConfig .*pip install -U peft`"):
+        loaded = PeftModel.from_pretrained(load_base("llama"), tmp_path)
+    assert not hasattr(loaded.peft_config["default"].adapter_config, "future_lora_option")
+    inputs = batch()
+    assert_identical(outputs(loaded, inputs), outputs(model.eval(), inputs))
 
 
 # ---------------------------------------------------------------------------------------------------- pickled weights

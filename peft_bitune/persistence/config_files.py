@@ -1,7 +1,9 @@
 """What happens when a `BituneConfig` is read from or written to `adapter_config.json`. Mixed into `BituneConfig`.
 
-- Reading refuses fields this version does not know. PEFT's own configs drop them with a warning (for forward
-  compatibility), but a Bitune field changes how the adapter runs, so dropping one would silently run it differently.
+- Reading follows PEFT's rule for the inner method's config (`adapter_config`): fields this PEFT does not know are
+  dropped with PEFT's warning, so that an adapter saved by a newer PEFT loads in an older one. Bitune's own fields that
+  this version does not know are refused: each one changes the forward pass (a newer peft-bitune writes an option only
+  when it is used, off its default), and dropping it would silently run the adapter differently.
 - Reading names the file when it is not a JSON object, and refuses an adapter whose weights PEFT would then fail to
   read, or refuse to read (a pickle that would run code), before PEFT adds the adapter to a model (see
   `weights_files.py`).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from typing import Any
 
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
@@ -36,12 +39,27 @@ class BituneConfigFileMixin:
 
     @classmethod
     def check_kwargs(cls, **kwargs: Any) -> dict[str, Any]:
-        """Refuse fields of `adapter_config.json` unknown to this peft-bitune (or, in `adapter_config`, to PEFT)."""
-        _refuse_unknown_fields(cls, kwargs, "peft-bitune")
+        """Refuse fields of `adapter_config.json` unknown to this peft-bitune; drop those of `adapter_config`
+        unknown to this PEFT, with PEFT's warning."""
+        unknown = _unknown_fields(cls, kwargs)
+        if unknown:
+            # This version cannot tell what a field it does not know does; every Bitune field changes the forward pass.
+            raise ValueError(
+                f"adapter_config.json has fields that {cls.__name__} of this installation does not know: {unknown}. "
+                "Ignoring them could change how the adapter runs, so it is not loaded. "
+                + _UPGRADE.format(package="peft-bitune")
+            )
         inner = kwargs.get("adapter_config")
         if isinstance(inner, dict) and inner.get("peft_type") in PEFT_TYPE_TO_CONFIG_MAPPING:
             inner_cls = PEFT_TYPE_TO_CONFIG_MAPPING[inner["peft_type"]]
-            _refuse_unknown_fields(inner_cls, inner, "peft", "`adapter_config` of ")
+            if unknown := _unknown_fields(inner_cls, inner):
+                # PEFT's rule and words for its own configs (`PeftConfigMixin.from_peft_type` in peft/config.py).
+                warnings.warn(
+                    f"Unexpected keyword arguments {unknown} for class {inner_cls.__name__} in `adapter_config`, "
+                    "these are ignored. " + _UPGRADE.format(package="peft"),
+                    stacklevel=2,
+                )
+                kwargs["adapter_config"] = {key: value for key, value in inner.items() if key not in unknown}
         return super().check_kwargs(**kwargs)
 
     @classmethod
@@ -84,12 +102,5 @@ def _check_json_object(path: str) -> None:
         )
 
 
-def _refuse_unknown_fields(config_cls: type, data: dict[str, Any], package: str, what: str = "") -> None:
-    known = {field.name for field in dataclasses.fields(config_cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(
-            f"{what}adapter_config.json has fields that {config_cls.__name__} of this installation does not know: "
-            f"{unknown}. Ignoring them could change how the adapter runs, so it is not loaded. "
-            + _UPGRADE.format(package=package)
-        )
+def _unknown_fields(config_cls: type, data: dict[str, Any]) -> list[str]:
+    return sorted(set(data) - {field.name for field in dataclasses.fields(config_cls)})
