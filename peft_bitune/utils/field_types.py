@@ -2,25 +2,28 @@
 
 A config read from `adapter_config.json` takes whatever the JSON holds: `"train_mixing": "no"` is a non-empty string,
 so truthy, and would mean yes; `"mix_scale": Infinity` parses as a float; `"r": "8"` fails deep inside PEFT with
-`TypeError: '<=' not supported`. The dataclass configs (Bitune's and PEFT's) declare each field's type, so the check
-reads it from there. Only simple annotations are checked: `bool`, `int`, `float`, `str`, `None`, `Literal`, enums,
-`dict`, lists of simple types, and unions of these; a field with any other annotation is left to its config's own
-checks.
+`TypeError: '<=' not supported`. The dataclass configs (Bitune's and PEFT's) declare each field's type, so pydantic's
+`TypeAdapter` checks the value against it, strictly (no "8" for 8, no 1 for true) and with finite numbers only. Only
+plain annotations are checked: `bool`, `int`, `float`, `str`, `None`, `Literal`, enums, and lists, dicts and unions of
+these; a field annotated with any other class (e.g. PEFT's sub-config dataclasses) is left to its config's own checks.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 import types
 import typing
 from collections.abc import Mapping
 from enum import Enum
-from typing import Any
+from typing import Annotated, Any
 
-# What `_expected` returns for an annotation this module does not check.
-_UNCHECKED = None
+from pydantic import ConfigDict, Strict, TypeAdapter, ValidationError
+
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+# How a value is described when pydantic refuses it, by pydantic's error type.
+_EXPECTED = {"bool_type": "true or false", "float_type": "a finite number", "finite_number": "a finite number",
+             "string_type": "a string", "none_required": "null (None)", "dict_type": "a mapping (a JSON object)",
+             "list_type": "a list"}
 
 
 def check_field_types(config_cls: type, values: Mapping[str, Any], prefix: str = "") -> None:
@@ -29,76 +32,61 @@ def check_field_types(config_cls: type, values: Mapping[str, Any], prefix: str =
     `config_cls`: booleans must be booleans, numbers finite numbers (not booleans or strings), a `Literal` one of its
     values. `prefix` goes before the field name in the message (e.g. `"adapter_config."`).
     """
-    hints = _type_hints(config_cls)
+    adapters, nullable = _adapters(config_cls)
     for name, value in values.items():
-        if name not in hints:
+        if name not in adapters:
             continue
-        expected = _expected(hints[name], value)
-        if expected is not _UNCHECKED:
+        try:
+            adapters[name].validate_python(value)
+        except ValidationError as error:
+            expected = _expected(error) + (" or null (None)" if name in nullable else "")  # pydantic omits that arm
             raise ValueError(
-                f"`{prefix}{name}` must be {expected}, got {value!r} (a {type(value).__name__}). Fix it where the "
-                "config is made, or in adapter_config.json."
-            )
+                f"`{prefix}{name}` must be {expected}, got {value!r} (a {type(value).__name__}). Fix it where "
+                "the config is made, or in adapter_config.json."
+            ) from None
 
 
 @functools.cache
-def _type_hints(config_cls: type) -> dict[str, Any]:
+def _adapters(config_cls: type) -> tuple[dict[str, TypeAdapter], set[str]]:
+    """A checker per annotated field, and the fields that may be None."""
     try:
-        return typing.get_type_hints(config_cls)
+        hints = typing.get_type_hints(config_cls)
     except Exception:  # an annotation that does not resolve: nothing to check it against
-        return {}
+        return {}, set()
+    nullable = {name for name, hint in hints.items() if type(None) in typing.get_args(hint)}
+    return {name: TypeAdapter(_checked(hint), config=_STRICT) for name, hint in hints.items()}, nullable
 
 
-def _expected(hint: Any, value: Any) -> str | None:
-    """What `value` should be, in words, if it does not match `hint`; `_UNCHECKED` if it matches or `hint` is not one
-    this module checks."""
-    origin = typing.get_origin(hint)
-    if origin is typing.Union or origin is types.UnionType:
-        arms = typing.get_args(hint)
-        descriptions = []
-        for arm in arms:
-            description = _expected(arm, value)
-            if description is _UNCHECKED:
-                return _UNCHECKED  # the value matches this arm, or the arm cannot be checked
-            descriptions.append(description)
-        return " or ".join(descriptions)
-    if origin is typing.Literal:
-        allowed = typing.get_args(hint)
-        if any(value == option and type(value) is type(option) for option in allowed):
-            return _UNCHECKED
-        return f"one of {list(allowed)}"
-    if origin in (list, tuple, set, frozenset):
-        if not isinstance(value, (list, tuple)):
-            return "a list"
-        element = (typing.get_args(hint) or (Any,))[0]
-        if element in _SIMPLE:
-            wrong = [item for item in value if _expected(element, item) is not _UNCHECKED]
-            if wrong:
-                return f"a list of {_SIMPLE[element]}"
-        return _UNCHECKED
-    if origin is dict or hint is dict:
-        return _UNCHECKED if isinstance(value, dict) else "a mapping (a JSON object)"
-    if hint is type(None):
-        return _UNCHECKED if value is None else "null (None)"
+def _checked(hint: Any) -> Any:
+    """The annotation as it is checked: an `int` as any finite number (PEFT's configs annotate e.g. `lora_alpha` as
+    `int` and are used with floats), an enum by its values too, a list, tuple or set as any sequence, and any other
+    class as anything (left to its config)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal or hint in (bool, float, str, type(None), dict, list):
+        return hint
+    if hint is int:
+        return float
     if isinstance(hint, type) and issubclass(hint, Enum):
-        if isinstance(value, hint) or value in {member.value for member in hint}:
-            return _UNCHECKED
-        return f"one of {[member.value for member in hint]}"
-    if hint in _SIMPLE:
-        return _UNCHECKED if _MATCHES[hint](value) else _SIMPLE[hint]
-    return _UNCHECKED
+        return Annotated[hint, Strict(False)]
+    if origin is typing.Union or origin is types.UnionType:
+        return typing.Union[tuple(_checked(arm) for arm in args)]  # noqa: UP007 (built from a tuple)
+    if origin in (list, tuple, set, frozenset):
+        return Annotated[list[_checked(args[0]) if args else Any], Strict(False)]
+    if origin is dict:
+        return dict[tuple(_checked(arg) for arg in args)] if args else dict
+    return Any
 
 
-def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-# Simple annotations: how a value of each is described, and the test it must pass. An `int` field takes any finite
-# number: PEFT's configs annotate e.g. `lora_alpha` as `int` but are used with floats too.
-_SIMPLE = {bool: "true or false", int: "a finite number", float: "a finite number", str: "a string"}
-_MATCHES = {
-    bool: lambda value: isinstance(value, bool),
-    int: _is_finite_number,
-    float: _is_finite_number,
-    str: lambda value: isinstance(value, str),
-}
+def _expected(error: ValidationError) -> str:
+    """What the refused value should be, in words: each arm of a union that refused it, in order."""
+    described = []
+    for detail in error.errors(include_url=False):
+        if detail["type"] in ("literal_error", "enum"):  # pydantic writes the values as "'a', 'b' or 'c'"
+            words = f"one of [{detail['ctx']['expected'].replace(' or ', ', ')}]"
+        else:
+            words = _EXPECTED.get(detail["type"], detail["msg"])
+        if any(isinstance(place, int) for place in detail["loc"]):  # refused inside a list
+            words = f"a list of {words}"
+        if words not in described:
+            described.append(words)
+    return " or ".join(described)
