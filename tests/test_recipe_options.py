@@ -233,6 +233,36 @@ def test_default_rates_keep_the_trainers_own_optimizer(trl_model_dir, tmp_path):
     assert all("name" not in group for group in trainer.optimizer.param_groups)
 
 
+def test_rates_with_an_optimizer_class_of_ones_own_are_refused_not_ignored(trl_model_dir, tmp_path):
+    """`optimizer_cls_and_kwargs` bypasses the hook that gives the Trainer Bitune's parameter groups."""
+    from datasets import Dataset
+
+    from trl_integration import BituneSFTTrainer
+
+    trainer = BituneSFTTrainer(model=trl_model_dir, args=helpers.training_args(tmp_path, mixing_lr_ratio=0.5),
+                               train_dataset=Dataset.from_list(helpers.prompt_completion_rows(4)),
+                               processing_class=helpers.build_tokenizer(), peft_config=helpers.small_bitune_config(),
+                               optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))
+    with pytest.raises(ValueError, match="`optimizer_cls_and_kwargs` makes the Trainer build"):
+        trainer.create_optimizer()
+    trainer.args.mixing_lr_ratio = 1.0
+    assert isinstance(trainer.create_optimizer(), torch.optim.SGD)
+
+
+def test_an_optim_that_groups_parameters_itself_is_refused_with_ratios(trl_model_dir, tmp_path, monkeypatch):
+    """An optimizer factory (transformers' protocol for Muon or Dion) groups the model's parameters itself."""
+    from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS
+
+    class SGDFactory:
+        def __call__(self, model, **kwargs):
+            return torch.optim.SGD(model.parameters(), **kwargs)
+
+    monkeypatch.setitem(_OPTIMIZER_HANDLERS, "sgd", lambda context: (SGDFactory, context.optimizer_kwargs))
+    trainer = helpers.make_trainer(trl_model_dir, tmp_path, mixing_lr_ratio=0.5, optim="sgd")
+    with pytest.raises(ValueError, match="`optim=sgd` builds its own parameter groups"):
+        trainer.create_optimizer()
+
+
 def test_rates_with_an_optimizer_of_ones_own_are_refused(trl_model_dir, tmp_path):
     from datasets import Dataset
 

@@ -5,6 +5,7 @@ only on accelerators)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+from trl import SFTTrainer
 
 import trl_helpers as helpers
 from peft_bitune import BituneMixingCallback, BituneModel
@@ -113,6 +115,36 @@ def test_the_trainer_adds_one_mixing_callback_first(tmp_path, trl_model_dir):
         processing_class=helpers.build_tokenizer(), peft_config=helpers.small_bitune_config(),
     )
     assert [c for c in trainer.callback_handler.callbacks if isinstance(c, BituneMixingCallback)] == [own]
+
+
+class LaterSFTTrainer(SFTTrainer):
+    """`SFTTrainer` as a later TRL may have it: with a parameter this release does not have."""
+
+    def __init__(self, *args, later_option=None, **kwargs):
+        self.later_option = later_option
+        super().__init__(*args, **kwargs)
+
+
+_SFT_SIGNATURE = inspect.signature(SFTTrainer.__init__)
+_LATER_OPTION = inspect.Parameter("later_option", inspect.Parameter.KEYWORD_ONLY, default=None)
+LaterSFTTrainer.__init__.__signature__ = _SFT_SIGNATURE.replace(
+    parameters=[*_SFT_SIGNATURE.parameters.values(), _LATER_OPTION]
+)
+
+
+def test_the_trainer_forwards_a_parameter_it_never_names(tmp_path, trl_model_dir):
+    """`BituneSFTTrainer` takes `SFTTrainer`'s parameters as they are, so one that TRL adds reaches it."""
+
+    class BituneLaterTrainer(BituneSFTTrainer, LaterSFTTrainer):
+        pass
+
+    trainer = BituneLaterTrainer(
+        trl_model_dir, helpers.training_args(tmp_path), later_option="reached",
+        train_dataset=datasets.Dataset.from_list(helpers.prompt_completion_rows(4)),
+        processing_class=helpers.build_tokenizer(), peft_config=helpers.small_bitune_config(),
+    )
+    assert trainer.later_option == "reached"
+    assert isinstance(trainer.model.base_model, BituneModel)  # the checks and the Bitune set-up still ran
 
 
 def test_a_plain_transformers_trainer_logs_the_mixing_coefficients_with_the_callback(tmp_path, trl_model_dir):

@@ -15,22 +15,20 @@ to:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
-import re
 import textwrap
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import transformers
-from datasets import Dataset, IterableDataset
-from peft import PeftConfig, PeftModel
+from datasets import Dataset
 from peft.utils import SAFETENSORS_WEIGHTS_NAME
 from transformers import TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_optimizer import is_optimizer_factory
+from transformers.trainer_utils import sort_checkpoints
 from trl import SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -114,31 +112,18 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
             }"""),
     }
 
-    def __init__(
-        self,
-        model: str | transformers.PreTrainedModel | PeftModel,
-        args: BituneSFTConfig | TrainingArguments | None = None,
-        data_collator: Any = None,
-        train_dataset: Dataset | IterableDataset | None = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        compute_loss_func: Callable | None = None,
-        compute_metrics: Callable | None = None,
-        callbacks: list | None = None,
-        optimizers: tuple = (None, None),
-        optimizer_cls_and_kwargs: tuple | None = None,
-        preprocess_logits_for_metrics: Callable | None = None,
-        quantization_config: Any = None,
-        peft_config: PeftConfig | None = None,
-        formatting_func: Callable[[dict], str] | None = None,
-    ) -> None:
-        args = as_bitune_config(args, model)
-        if optimizers[0] is not None and (args.bidirectional_lr_ratio != 1.0 or args.mixing_lr_ratio != 1.0):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # `SFTTrainer`'s own parameters, bound by its signature, so that one TRL adds reaches it unnamed here.
+        bound = inspect.signature(super().__init__).bind(*args, **kwargs)
+        arguments = bound.arguments
+        model, data_collator = arguments["model"], arguments.get("data_collator")
+        train_dataset, eval_dataset = arguments.get("train_dataset"), arguments.get("eval_dataset")
+        args = arguments["args"] = as_bitune_config(arguments.get("args"), model)
+        if arguments.get("optimizers", (None, None))[0] is not None and self._lr_ratios(args) != (1.0, 1.0):
             raise ValueError(OWN_OPTIMIZER_WITH_RATIOS)
-        self._given_optimizer = optimizers[0]
-        peft_config = bitune_peft_config(model, peft_config)
+        peft_config = arguments["peft_config"] = bitune_peft_config(model, arguments.get("peft_config"))
         check_training_setup(args, peft_config or model.peft_config[model.active_adapter])
-        if formatting_func is not None:
+        if arguments.get("formatting_func") is not None:
             raise ValueError(
                 "`formatting_func` turns every row into plain text, which has no instruction/answer boundary for "
                 f"Bitune to read. Format the rows into one of the formats that work instead: {FORMATS_THAT_WORK}."
@@ -150,23 +135,10 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
             for name, dataset in named.items():
                 check_dataset_format(dataset, name, args, skip_prepare, custom_collator=data_collator is not None)
             rows_given = {name: len(dataset) for name, dataset in named.items() if isinstance(dataset, Dataset)}
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            compute_loss_func=compute_loss_func,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-            quantization_config=quantization_config,
-            peft_config=peft_config,
-            formatting_func=formatting_func,
-        )
+        # The learning-rate multiples of the optimizer this trainer made (`create_optimizer`); `None` while its
+        # optimizer is none or one of the user's: nothing else tells the two apart, or says what a made one used.
+        self._optimizer_rates: tuple[float, float] | None = None
+        super().__init__(*bound.args, **bound.kwargs)
         self._check_after_setup()
         prepared = {"train_dataset": self.train_dataset, **named_eval_datasets(self.eval_dataset)}
         check_rows_kept(rows_given, prepared, self.args)
@@ -199,45 +171,58 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
                 check_prepared_labels(dataset, name)
 
     # ------------------------------------------------------------------ optimizer
+    @staticmethod
+    def _lr_ratios(args: BituneSFTConfig) -> tuple[float, float]:
+        return (args.bidirectional_lr_ratio, args.mixing_lr_ratio)
+
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
-        """The Trainer's optimizer, with the learning rate of each part of the adapter when
-        `args.bidirectional_lr_ratio` or `args.mixing_lr_ratio` differ from 1 (`peft_bitune.training.optimizers`)."""
-        rates = (self.args.bidirectional_lr_ratio, self.args.mixing_lr_ratio)
-        default_rates = rates == (1.0, 1.0)
-        if self.optimizer is not None and self.optimizer is self._given_optimizer and not default_rates:
+        """[`~transformers.Trainer.create_optimizer`], which makes the optimizer once: learning-rate multiples that it
+        would ignore (set since it was made, or set with an optimizer of one's own) are refused instead."""
+        rates = self._lr_ratios(self.args)
+        if self.optimizer is not None and self._optimizer_rates is None and rates != (1.0, 1.0):
             raise ValueError(OWN_OPTIMIZER_WITH_RATIOS)  # the ratios were set after the trainer was made
-        made_with = self.__dict__.get("_optimizer_rates")  # the ratios of the optimizer this method made, if any
-        if self.optimizer is not None and made_with is not None and rates != made_with:
+        if self.optimizer is not None and self._optimizer_rates not in (None, rates):
             raise ValueError(
                 f"`bidirectional_lr_ratio` and `mixing_lr_ratio` are now {rates}, but this trainer's optimizer was "
-                f"made with {made_with} (by an earlier `train()`), and a trainer makes its optimizer once: the new "
-                "ratios would be ignored. Set `trainer.optimizer = None` before `train()` to make it again with the "
-                "new ratios (its state starts afresh), or make a new trainer."
+                f"made with {self._optimizer_rates} (by an earlier `train()`), and a trainer makes its optimizer "
+                "once: the new ratios would be ignored. Set `trainer.optimizer = None` before `train()` to make it "
+                "again with the new ratios (its state starts afresh), or make a new trainer."
             )
-        if self.optimizer is not None or default_rates:
-            if self.optimizer is None:
-                self._optimizer_rates = rates
-            return super().create_optimizer(model) if model is not None else super().create_optimizer()
-        opt_model = self.model if model is None else model
-        if self.optimizer_cls_and_kwargs is not None:
-            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
-        else:
-            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-        optimizer_kwargs = dict(optimizer_kwargs)
-        own_groups = {"params", "model", "optimizer_dict"} & set(optimizer_kwargs)
-        if own_groups or not isinstance(optimizer_cls, type) or not issubclass(optimizer_cls, torch.optim.Optimizer):
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is not None and rates != (1.0, 1.0):
             raise ValueError(
-                f"`optim={self.args.optim}` builds its own parameter groups, so the learning-rate multiples "
-                "`bidirectional_lr_ratio` and `mixing_lr_ratio` cannot be applied to it. Use an optimizer such as "
-                "`adamw_torch`, or leave both ratios at 1."
+                "`optimizer_cls_and_kwargs` makes the Trainer build the optimizer over its own parameter groups, so "
+                "`bidirectional_lr_ratio` and `mixing_lr_ratio` cannot reach it. Choose the optimizer with `optim` "
+                "and `optim_args` instead, or build it with `peft_bitune.create_bitune_optimizer(model, ..., "
+                "bidirectional_lr_ratio=..., mixing_lr_ratio=...)` and pass `optimizers=(optimizer, None)`."
+            )
+        made_here = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if made_here:
+            self._optimizer_rates = rates
+        return optimizer
+
+    def get_optimizer_cls_and_kwargs(self, args: TrainingArguments, model: Any = None) -> tuple[Any, dict[str, Any]]:
+        """
+        The optimizer `args.optim` names, over the parameter groups of `peft_bitune.training.optimizers` (a learning
+        rate per part of the adapter) when `args.bidirectional_lr_ratio` or `args.mixing_lr_ratio` differ from 1.
+        The Trainer takes the groups from the `params` this returns, the hook it keeps for optimizers that group
+        parameters themselves (GaLore). An instance method where the Trainer's is static: the Trainer calls it on
+        itself, and the groups follow its `get_decay_parameter_names`.
+        """
+        optimizer_cls, optimizer_kwargs = super().get_optimizer_cls_and_kwargs(args, model)
+        if model is None or self._lr_ratios(args) == (1.0, 1.0):
+            return optimizer_cls, optimizer_kwargs
+        if {"params", "model", "optimizer_dict"} & set(optimizer_kwargs) or is_optimizer_factory(optimizer_cls):
+            raise ValueError(
+                f"`optim={getattr(args.optim, 'value', args.optim)}` builds its own parameter groups, so the "
+                "learning-rate multiples `bidirectional_lr_ratio` and `mixing_lr_ratio` cannot be applied to it. Use "
+                "an optimizer such as `adamw_torch`, or leave both ratios at 1."
             )
         groups = bitune_parameter_groups(
-            opt_model, self.args.learning_rate, self.args.bidirectional_lr_ratio, self.args.mixing_lr_ratio,
-            self.args.weight_decay, self.get_decay_parameter_names(opt_model),
+            model, args.learning_rate, args.bidirectional_lr_ratio, args.mixing_lr_ratio, args.weight_decay,
+            self.get_decay_parameter_names(model),
         )
-        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
-        self._optimizer_rates = rates
-        return self.optimizer
+        return optimizer_cls, {**optimizer_kwargs, "params": groups}
 
     # ------------------------------------------------------------------ the recipe of a resumed run
     # A checkpoint records its recipe options next to the optimizer and scheduler, and a run resumed from it must use
@@ -248,12 +233,15 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
         if self.args.should_save:
             write_recipe(output_dir, self.args)
 
+    def _optimizer_is_given(self) -> bool:
+        return self.optimizer is not None and self._optimizer_rates is None
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
-        check_resumed_recipe(resume_from_checkpoint, self.args, self._given_optimizer is not None)
+        check_resumed_recipe(resume_from_checkpoint, self.args, self._optimizer_is_given())
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        check_resumed_recipe(checkpoint, self.args, self._given_optimizer is not None)
+        check_resumed_recipe(checkpoint, self.args, self._optimizer_is_given())
         super()._load_optimizer_and_scheduler(checkpoint)
 
     # ------------------------------------------------------------------ loss and metrics
@@ -322,7 +310,7 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
         """
         if resume_from_checkpoint is True and os.path.isdir(self.args.output_dir):
             skipped = []
-            for checkpoint in _checkpoints_newest_first(self.args.output_dir):
+            for checkpoint in reversed(sort_checkpoints(self.args.output_dir)):  # newest first
                 problem = incomplete_checkpoint_problem(checkpoint)
                 if problem is None:
                     if skipped and self.is_world_process_zero():
@@ -362,19 +350,6 @@ def keep_mixing_scalars_in_float32(model: torch.nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------- checkpoints
-_CHECKPOINT_FOLDER = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
-
-
-def _checkpoints_newest_first(output_dir: str) -> list[str]:
-    """The `checkpoint-N` folders of `output_dir`, highest step first (the ones the Trainer resumes from)."""
-    steps = {}
-    for name in os.listdir(output_dir):
-        match = _CHECKPOINT_FOLDER.match(name)
-        if match and os.path.isdir(os.path.join(output_dir, name)):
-            steps[os.path.join(output_dir, name)] = int(match.group(1))
-    return sorted(steps, key=steps.get, reverse=True)
-
-
 def incomplete_checkpoint_problem(checkpoint: str) -> str | None:
     """What is missing or broken in a Trainer checkpoint folder, or `None` if it is complete: its
     `trainer_state.json`, written last, must be a whole JSON object, and its adapter weights a whole safetensors
