@@ -6,8 +6,8 @@ new tokens incrementally (tokenizers' `DecodeStream`) and hands each new piece o
 the streamer of a batch: it hands each row's tokens to that row's `TextStream` until the row has ended
 (`batching.RowStops`). `StopTextFilter` holds back text that may be the start of a stop string, so that a stream ends
 exactly where the whole answer is cut (`cut_at_stop`), and `StopStrings` ends a row of a batch at its stop strings by
-the same rule. All three are linear in the text and the stop strings (Knuth-Morris-Pratt), and keep nothing beyond
-their request.
+the same rule. Each searches only the new text and the tail held back, so each piece costs time bounded by the stop
+strings' capped lengths, and they keep nothing beyond their request.
 """
 
 from __future__ import annotations
@@ -150,78 +150,35 @@ class RowStreams(BaseStreamer):
 
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     """`text` up to the first stop string (OpenAI returns the answer without it), and whether one was found: the
-    earliest start of any stop string's first occurrence. Linear in the text and the stop strings."""
+    earliest start of any stop string's first occurrence."""
     search = StopTextFilter(stop)
     before = search.feed(text)
     return (before, True) if search.stopped else (text, False)
-
-
-class _StopAutomaton:
-    """
-    Knuth-Morris-Pratt's matcher of one stop string over text fed a character at a time: `matched` is the length of
-    the longest end of the text so far that begins the stop string. Each character costs O(1) amortized (the failure
-    links never step back further than the characters fed), and building it O(len(stop)), so finding and holding back
-    stop strings is linear in the text and the stop strings, never in their product.
-    """
-
-    def __init__(self, stop: str) -> None:
-        self.stop = stop
-        self.failure = [0] * len(stop)  # failure[i]: the longest proper border of stop[: i + 1]
-        border = 0
-        for i in range(1, len(stop)):
-            while border and stop[i] != stop[border]:
-                border = self.failure[border - 1]
-            if stop[i] == stop[border]:
-                border += 1
-            self.failure[i] = border
-        self.matched = 0
-
-    def advance(self, char: str) -> bool:
-        """Feed one character; True when it completes an occurrence of the stop string."""
-        matched, stop = self.matched, self.stop
-        while matched and stop[matched] != char:
-            matched = self.failure[matched - 1]
-        if stop[matched] == char:
-            matched += 1
-        if matched == len(stop):
-            self.matched = self.failure[matched - 1]
-            return True
-        self.matched = matched
-        return False
 
 
 class StopTextFilter:
     """
     Streams text that cannot be the start of a stop string, so that a stream ends exactly where the whole answer is
     cut (`cut_at_stop`): the tail that might begin a stop string (at most the longest stop string but one character)
-    is held back until it is decided. Each piece costs time linear in its length plus the held-back tail (one
-    `_StopAutomaton` per stop string), however long the stop strings are.
+    is held back until it is decided. Each piece is searched with the held-back tail only, so its cost is bounded by
+    the piece and the stop strings (at most 4 of 512 characters, `validation.py`), as vLLM searches the decoded tail.
     """
 
     def __init__(self, stop: list[str]) -> None:
-        self.automata = [_StopAutomaton(s) for s in stop if s]
+        self.stop = [s for s in stop if s]
         self.pending = ""
         self.stopped = False
 
     def feed(self, text: str) -> str:
         if self.stopped or not text:
             return ""
-        start = len(self.pending)  # where `text` begins in `pending`
-        self.pending += text
-        cut = None  # the earliest start of a stop string completed in `text`
-        for offset, char in enumerate(text, start + 1):  # `offset`: the end of `pending[:offset]`, just fed
-            for automaton in self.automata:
-                if automaton.advance(char):
-                    found = offset - len(automaton.stop)
-                    cut = found if cut is None else min(cut, found)
-            # Done once no stop string still being matched began before the cut (the longest match is the earliest).
-            if cut is not None and all(offset - automaton.matched >= cut for automaton in self.automata):
-                break
+        self.pending += text  # `pending` held no whole stop string: any occurrence now takes some of `text`
+        cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=None)
         if cut is not None:
             self.stopped = True
             ready, self.pending = self.pending[:cut], ""
             return ready
-        held = max((automaton.matched for automaton in self.automata), default=0)
+        held = max((_begun(self.pending, s) for s in self.stop), default=0)
         ready, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
         return ready
 
@@ -230,11 +187,22 @@ class StopTextFilter:
         return ready
 
 
+def _begun(text: str, stop: str) -> int:
+    """The length of the longest end of `text` that begins `stop` (shorter than `stop`): tried from the earliest
+    place within `len(stop) - 1` characters of the end where the stop string's first character is."""
+    place = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while place >= 0:
+        if stop.startswith(text[place:]):
+            return len(text) - place
+        place = text.find(stop[0], place + 1)
+    return 0
+
+
 class StopStrings:
     """
     Whether a row's answer has reached one of its stop strings, checked on the text as it is decoded
     (`IncrementalDecoder` and `StopTextFilter`, the same rule as the stream and `cut_at_stop`): one token at a time,
-    in time linear in the answer and the stop strings, keeping nothing beyond the row. (transformers'
+    in time bounded per token, keeping nothing beyond the row. (transformers'
     `StopStringCriteria` builds a table per tokenizer and stop strings, of about 4 KB per stop character, and keeps
     the last 8 for the whole process: distinct stop strings would make the server's memory grow.)
     """
