@@ -15,7 +15,7 @@ from peft import PeftConfig
 
 import trl_helpers as helpers
 from peft_bitune import BituneConfig, compat
-from trl_integration.cli import BituneArguments, make_parser
+from trl_integration.cli import TRAINING_MODULE, BituneArguments, make_parser
 from trl_integration.cli import main as cli_main
 from trl_integration.cli import train as cli_train
 
@@ -126,9 +126,10 @@ def test_bitune_sft_reports_a_training_process_killed_without_an_error(tmp_path,
     import accelerate.commands.launch
 
     def killed(args):
-        assert os.path.isdir(os.environ["BITUNE_SFT_ERROR_FOLDER"])  # where a failing process writes its error
+        assert os.environ["TORCHELASTIC_ERROR_FILE"]  # where a failing process records its error (`@record`)
         raise subprocess.CalledProcessError(returncode=137, cmd=["python"])
 
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     monkeypatch.setattr(accelerate.commands.launch, "launch_command", killed)
     with pytest.raises(SystemExit) as exit_status:
         cli_main(["--output_dir", str(tmp_path), "--use_cpu"])
@@ -136,7 +137,45 @@ def test_bitune_sft_reports_a_training_process_killed_without_an_error(tmp_path,
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         "bitune-sft: training failed: the training process exited with status 137 without reporting an error"
     )
-    assert "BITUNE_SFT_ERROR_FOLDER" not in os.environ
+    assert "TORCHELASTIC_ERROR_FILE" not in os.environ
+
+
+def test_bitune_sft_shows_the_error_of_the_first_failed_process_of_several(tmp_path, monkeypatch, capsys):
+    """Several processes run under torchrun, which gives each its own error file and raises `ChildFailedError`."""
+    import accelerate.commands.launch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, record
+
+    def failing_process():
+        raise ValueError("no row left")
+
+    error_file = tmp_path / "rank1.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(ValueError):
+        record(failing_process)()
+    failure = ProcessFailure(local_rank=1, pid=12, exitcode=1, error_file=str(error_file))
+
+    def several_failed(args):
+        raise ChildFailedError(TRAINING_MODULE, {1: failure})
+
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", several_failed)
+    with pytest.raises(SystemExit) as exit_status:
+        cli_main(["--output_dir", str(tmp_path), "--use_cpu"])
+    assert exit_status.value.code == 1
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line == "bitune-sft: training failed: ValueError: no row left"
+
+
+def test_bitune_sft_hands_the_launcher_its_arguments_and_the_script_the_rest(tmp_path, monkeypatch):
+    import accelerate.commands.launch
+
+    launched = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
+    training = ["--output_dir", str(tmp_path), "--use_cpu", "--mix_init", "0.02", "--lora_r", "4"]
+    cli_main([*training[:3], "--num_processes", "1", *training[3:], "--main_process_port", "0"])
+    (args,) = launched
+    assert args.num_processes == 1 and args.main_process_port == 0
+    assert args.module and args.training_script == TRAINING_MODULE
+    assert args.training_script_args == training
 
 
 def test_bitune_sft_refuses_arguments_neither_training_nor_launcher_knows(tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -33,7 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peft import PeftConfig
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+
+# TRL's own split of `trl <command>`'s arguments into the launcher's and the script's (private; `trl<2` is pinned).
+from trl.cli.commands.training import _subtract_subsequence
 
 from peft_bitune import BituneConfig
 from peft_bitune.utils.command_line_numbers import number_problem
@@ -123,8 +128,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     The arguments (`argv`, or the command line) that the training parser knows (and `--config`) go to the training
     script, `python -m trl_integration.cli`; the others (`--num_processes`, `--config_file`, `--multi_gpu`, ... and
     TRL's `--accelerate_config zero2|fsdp2|<file>`) go to `accelerate launch`. `--help` lists the training arguments.
+    When a training process fails, the error it recorded (torch elastic's `@record`) is printed last, and `bitune-sft`
+    exits with the process's status.
     """
     from accelerate.commands.launch import launch_command, launch_command_parser
+    from accelerate.utils import patch_environment
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -133,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     refuse_before_any_work(configs)
     launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
-    training_script_args = _without_subsequence(argv, cli_remaining)
+    training_script_args = _subtract_subsequence(argv, cli_remaining)
     launch_parser = launch_command_parser()
     _, unknown = launch_parser.parse_known_args([*launch_args, "--module", TRAINING_MODULE])
     if unknown:
@@ -142,44 +150,28 @@ def main(argv: Sequence[str] | None = None) -> None:
             "an `accelerate launch` argument (see `accelerate launch --help`)."
         )
     launch_args = launch_parser.parse_args([*launch_args, "--module", TRAINING_MODULE, *training_script_args])
-    with tempfile.TemporaryDirectory(prefix="bitune-sft-errors-") as error_folder:
-        previous = os.environ.get(ERROR_FOLDER_VARIABLE)
-        os.environ[ERROR_FOLDER_VARIABLE] = error_folder  # the launcher hands its environment to every process
+    # A single process (accelerate's simple launcher) records its error in the file named here; several (torchrun) in
+    # files of torch's own, which their `ChildFailedError` reads.
+    with tempfile.TemporaryDirectory(prefix="bitune-sft-") as folder:
+        error_file = os.path.join(folder, "error.json")
         try:
-            launch_command(launch_args)
-        except _LAUNCHER_FAILURES as failure:
+            with patch_environment(TORCHELASTIC_ERROR_FILE=error_file):
+                launch_command(launch_args)
+        except (subprocess.CalledProcessError, SystemExit, ChildFailedError) as failure:
             status = _exit_status(failure)
             if status == 0:
                 raise
-            _report_training_failure(error_folder, status)
-        finally:
-            if previous is None:
-                os.environ.pop(ERROR_FOLDER_VARIABLE, None)
-            else:
-                os.environ[ERROR_FOLDER_VARIABLE] = previous
-
-
-# The folder where each training process launched by `bitune-sft` writes the error it failed with, so that `bitune-sft`
-# can show it as the last thing printed (the launcher only says that a process failed, and the real message scrolls by
-# above its traceback).
-ERROR_FOLDER_VARIABLE = "BITUNE_SFT_ERROR_FOLDER"
-
-
-def _launcher_failures() -> tuple[type[BaseException], ...]:
-    """What `accelerate launch` raises when a training process fails: `CalledProcessError` (one process),
-    torch's `ChildFailedError` (several), `SystemExit` (with `--quiet`)."""
-    failures: tuple[type[BaseException], ...] = (subprocess.CalledProcessError, SystemExit)
-    try:
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    except ImportError:  # a torch build without `torch.distributed`
-        return failures
-    return (*failures, ChildFailedError)
-
-
-_LAUNCHER_FAILURES = _launcher_failures()
+            error = _recorded_error(failure, error_file) or (
+                f"the training process exited with status {status} without reporting an error (it was killed, e.g. "
+                "out of memory, or failed while starting); its output above says what happened."
+            )
+            print(f"bitune-sft: training failed: {error}", file=sys.stderr)
+            raise SystemExit(status) from None
 
 
 def _exit_status(failure: BaseException) -> int:
+    """The exit status of what `accelerate launch` raised: `CalledProcessError` (one process), `ChildFailedError`
+    (several), `SystemExit` (`--quiet`)."""
     if isinstance(failure, subprocess.CalledProcessError):
         return failure.returncode or 1
     if isinstance(failure, SystemExit):
@@ -187,35 +179,17 @@ def _exit_status(failure: BaseException) -> int:
     return 1
 
 
-def _report_training_failure(error_folder: str, status: int) -> None:
-    """Print the training processes' errors (each once) as the last lines, and exit with the failure's status."""
-    messages = []
-    for name in sorted(os.listdir(error_folder)):
-        with open(os.path.join(error_folder, name), encoding="utf-8") as file:
-            message = file.read().strip()
-        if message and message not in messages:
-            messages.append(message)
-    if not messages:
-        messages = [
-            f"the training process exited with status {status} without reporting an error (it was killed, e.g. out "
-            "of memory, or failed while starting); its output above says what happened."
-        ]
-    for message in messages:
-        print(f"bitune-sft: training failed: {message}", file=sys.stderr)
-    raise SystemExit(status)
-
-
-def _training_process() -> None:
-    """`python -m trl_integration.cli`, as `bitune-sft` launches it: train, and on failure leave the error where
-    `bitune-sft` shows it, then fail as before (with the traceback)."""
-    try:
-        train()
-    except Exception as error:
-        folder = os.environ.get(ERROR_FOLDER_VARIABLE)
-        if folder and os.path.isdir(folder):
-            with open(os.path.join(folder, f"error-{os.getpid()}.txt"), "w", encoding="utf-8") as file:
-                file.write(f"{type(error).__name__}: {error}")
-        raise
+def _recorded_error(failure: BaseException, error_file: str) -> str | None:
+    """The error the (first) failed training process recorded with `@record`, as "Type: message"; `None` if none."""
+    if isinstance(failure, ChildFailedError):
+        recorded = failure.get_first_failure()[1].error_file_data
+    elif os.path.isfile(error_file):
+        with open(error_file, encoding="utf-8") as file:
+            recorded = json.load(file)
+    else:
+        return None
+    message = recorded.get("message")
+    return message.get("message") if isinstance(message, dict) else None
 
 
 def train(argv: Sequence[str] | None = None) -> None:
@@ -284,19 +258,6 @@ def refuse_unusable_config_numbers(configs: Sequence[Any]) -> None:
                 raise SystemExit(f"bitune-sft: `--{config_field.name}` {problem}.")
 
 
-def _without_subsequence(items: list[str], subsequence: list[str]) -> list[str]:
-    """`items` with the ordered `subsequence` removed (the launcher's arguments out of the command line)."""
-    remaining = iter(subsequence)
-    current = next(remaining, None)
-    result = []
-    for item in items:
-        if current is not None and item == current:
-            current = next(remaining, None)
-        else:
-            result.append(item)
-    return result
-
-
 def run(
     script_args: ScriptArguments,
     training_args: BituneSFTConfig,
@@ -304,6 +265,8 @@ def run(
     dataset_args: DatasetMixtureConfig,
     bitune_args: BituneArguments,
 ) -> None:
+    """`trl sft`'s script (`trl/scripts/sft.py`'s `main`) with the Bitune trainer, adapter and data checks."""
+    # Not TRL's `main` itself: it names `SFTTrainer` and `get_peft_config` in its body, with no parameter for either.
     import transformers
     from packaging.version import Version
     from trl import get_dataset, get_quantization_config
@@ -421,4 +384,4 @@ def _check_splits(dataset: Any, script_args: ScriptArguments, evaluating: bool) 
 
 
 if __name__ == "__main__":
-    _training_process()
+    record(train)()  # a failure's error goes where `bitune-sft` (or torchrun) reads it: TORCHELASTIC_ERROR_FILE
