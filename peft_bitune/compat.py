@@ -157,6 +157,18 @@ def checkpointed_layers_keep_caches(
             layer._gradient_checkpointing_func = checkpoint_function
 
 
+@contextmanager
+def checkpointing_paused(layer: GradientCheckpointingLayer) -> Iterator[None]:
+    """Within the block, `layer`'s own `forward` does not checkpoint: transformers (5.25) wraps a checkpointing
+    layer's `forward` itself in the checkpoint, not only its `__call__`."""
+    enabled = layer.gradient_checkpointing
+    try:
+        layer.gradient_checkpointing = False
+        yield
+    finally:
+        layer.gradient_checkpointing = enabled
+
+
 def resolved_generation_config(model: PreTrainedModel, kwargs: dict[str, Any]) -> Any:
     """The generation config `model.generate(**kwargs)` would use, resolved and validated by transformers' own code
     (`_prepare_generation_config`), e.g. refusing `max_new_tokens=0`."""

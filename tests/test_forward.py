@@ -328,48 +328,40 @@ def test_gradient_checkpointing_gives_the_same_gradients(load_base, arch):
         torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=0, msg=name)
 
 
-def test_checkpointing_holds_the_prompt_records_not_their_mix(load_base, monkeypatch):
-    """Under activation checkpointing, what a training step holds for its backward is the two prompt passes' keys and
-    values, not their mix as well: the answer pass's layers compute the mix and recompute it in the backward. Once
-    the mix's backward has run, nothing holds the prompt records any more while the prompt passes back-propagate."""
-    from peft_bitune.tuner import caches
+def test_checkpointing_holds_no_keys_or_values_across_layers(load_base, monkeypatch):
+    """Under activation checkpointing, a single-turn training step holds no keys or values for its backward: the
+    prompt passes record none, and each answer-pass layer recomputes both prompt passes' keys/values of that layer
+    from their layer inputs, mixes them and drops them; its backward recomputes them again."""
+    from peft_bitune.tuner import caches, layer_inputs
 
-    mixes, records, record_count, checked = [], [], [0], []
-    mix = caches.mix_key_values
+    mixed_tensors, records = [], []
+    mix = layer_inputs.mix_key_values
 
     def spied_mix(causal, bidirectional, alpha):
         mixed = mix(causal, bidirectional, alpha)
-        mixes.append(weakref.ref(mixed))
-        records.extend((weakref.ref(causal), weakref.ref(bidirectional)))
+        mixed_tensors.extend(weakref.ref(tensor) for tensor in (causal, bidirectional, mixed))
         return mixed
 
     update = caches.PassCacheLayer.update
 
     def spied_update(self, key_states, value_states, *args, **kwargs):
-        # The backward's first recomputation of a prompt-pass layer (the only cache layers with no prefix here).
-        if backward_started and self.prefix_keys is None and not checked:
-            gc.collect()
-            checked.append([ref() is not None for ref in records[:record_count[0]]])
+        records.append(self.record)
         return update(self, key_states, value_states, *args, **kwargs)
 
-    monkeypatch.setattr(caches, "mix_key_values", spied_mix)
+    monkeypatch.setattr(layer_inputs, "mix_key_values", spied_mix)
     monkeypatch.setattr(caches.PassCacheLayer, "update", spied_update)
     base = load_base("llama")
     model = make_bitune(base)
     compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
     model.train()
-    backward_started = False
     loss = model(**make_batch("right")[1]).loss
     gc.collect()
     layers = base.config.num_hidden_layers
-    assert len(mixes) == 2 * layers  # keys and values of every layer, mixed in the answer pass
-    assert [ref() is not None for ref in mixes] == [False] * len(mixes)  # none of them held until the backward
-    record_count[0] = len(records)
-    assert all(ref() is not None for ref in records)  # the records are: the backward recomputes the mix from them
-    backward_started = True
+    assert len(mixed_tensors) == 3 * 2 * layers  # keys and values of every layer, mixed in the answer pass
+    assert [ref() is not None for ref in mixed_tensors] == [False] * len(mixed_tensors)  # none held
+    assert records and not any(records)  # no pass recorded anything
     loss.backward()
-    assert len(mixes) == 4 * layers  # recomputed in the backward
-    assert checked == [[False] * (4 * layers)]  # gone before the prompt passes' backward
+    assert len(mixed_tensors) == 2 * 3 * 2 * layers  # recomputed in the backward
 
 
 def test_reentrant_gradient_checkpointing_is_refused(load_base):

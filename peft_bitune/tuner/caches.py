@@ -10,11 +10,12 @@ Each pass reads the keys/values built so far and may record its own. Two propert
   overwrite what the first run wrote instead of appending it a second time.
 
 Both are one layer class, `PassCacheLayer`: an optional fixed prefix, plus an optional record of the last chunk.
-In training the prefix of the answer pass may be a `PendingMix`, the mix of two records computed where it is read.
-A prompt pass feeds nothing but its keys/values, so once the last layer has recorded them the pass may end there
-(see `prompt_pass_end.py`). In training it holds every position and is never a sliding-window layer; sliding-window
-models still get their window, because transformers builds the sliding mask from the config over absolute positions.
-Over a generation cache it mirrors each layer (window and offset) instead.
+In training the prefix of the answer pass is usually a `layer_inputs.RecomputedMix`: the mix of the two prompt passes,
+recomputed inside the reading layer from what those passes gave the layer as input, so that no pass records anything.
+A prompt pass of generation feeds nothing but its keys/values, so once the last layer has recorded them the pass may
+end there (see `prompt_pass_end.py`). In training it holds every position and is never a sliding-window layer;
+sliding-window models still get their window, because transformers builds the sliding mask from the config over
+absolute positions. Over a generation cache it mirrors each layer (window and offset) instead.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .checks import (
     check_same_shape,
     has_holes,
 )
+from .layer_inputs import RecomputedMix
 from .mixing import BituneKVMixer, mix_key_values
 from .prompt_pass_end import PromptPassComplete
 
@@ -47,8 +49,8 @@ class PassCacheLayer(CacheLayerMixin):
     Tensors are `[batch_size, num_kv_heads, seq_len, head_dim]`.
 
     Args:
-        prefix_keys, prefix_values (`torch.Tensor` or `PendingMix`, *optional*): keys/values every query of the pass
-            may attend to before its own chunk (the mixed prompt cache in the answer pass). `None` for no prefix.
+        prefix_keys, prefix_values (`torch.Tensor`, *optional*): keys/values every query of the pass may attend to
+            before its own chunk. `None` for no prefix.
         record (`bool`): whether `update` keeps the chunk it is given (the prompt passes do, the answer pass does not).
         offset (`int`): positions seen before the prefix (a sliding-window layer of a generation cache keeps only its
             window); the mask is built over absolute positions.
@@ -56,18 +58,21 @@ class PassCacheLayer(CacheLayerMixin):
             that type.
         stop_after_record (`bool`): raise `PromptPassComplete` once the chunk is recorded (set on the last layer
             where the model allows it: see `prompt_pass_end.py`).
+        recomputed_prefix (`RecomputedMix`, *optional*): instead of `prefix_keys` and `prefix_values`, the mixed
+            prompt the answer pass of a training step reads, recomputed by `update` (inside the reading layer).
     """
 
     is_compileable = False
 
     def __init__(
         self,
-        prefix_keys: torch.Tensor | PendingMix | None = None,
-        prefix_values: torch.Tensor | PendingMix | None = None,
+        prefix_keys: torch.Tensor | None = None,
+        prefix_values: torch.Tensor | None = None,
         record: bool = False,
         offset: int = 0,
         is_sliding: bool = False,
         stop_after_record: bool = False,
+        recomputed_prefix: RecomputedMix | None = None,
     ) -> None:
         super().__init__()
         if stop_after_record and not record:
@@ -75,14 +80,17 @@ class PassCacheLayer(CacheLayerMixin):
         self.stop_after_record = stop_after_record
         self.offset = offset
         self.is_sliding = is_sliding
+        if recomputed_prefix is not None and prefix_keys is not None:
+            raise ValueError("A pass cache layer has one prefix: held keys/values or a recomputed mix, not both.")
         self.prefix_keys = prefix_keys
         self.prefix_values = prefix_values
+        self.recomputed_prefix = recomputed_prefix
         self.record = record
         self.keys = prefix_keys
         self.values = prefix_values
         self.recorded_keys: torch.Tensor | None = None
         self.recorded_values: torch.Tensor | None = None
-        self.is_initialized = prefix_keys is not None
+        self.is_initialized = prefix_keys is not None or recomputed_prefix is not None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -95,11 +103,12 @@ class PassCacheLayer(CacheLayerMixin):
             self.recorded_keys, self.recorded_values = key_states, value_states
             if self.stop_after_record:
                 raise PromptPassComplete
-        if self.prefix_keys is None:
+        prefix_keys, prefix_values = self.prefix_keys, self.prefix_values
+        if self.recomputed_prefix is not None:
+            prefix_keys, prefix_values = self.recomputed_prefix.key_values()
+        if prefix_keys is None:
             return key_states, value_states
-        keys = torch.cat([computed(self.prefix_keys), key_states], dim=-2)
-        values = torch.cat([computed(self.prefix_values), value_states], dim=-2)
-        return keys, values
+        return torch.cat([prefix_keys, key_states], dim=-2), torch.cat([prefix_values, value_states], dim=-2)
 
     def forget_record(self) -> None:
         """Drop the recorded chunk and record no more (`mix_recorded` has taken it over)."""
@@ -107,6 +116,8 @@ class PassCacheLayer(CacheLayerMixin):
         self.record = self.stop_after_record = False
 
     def _prefix_length(self) -> int:
+        if self.recomputed_prefix is not None:
+            return self.recomputed_prefix.length
         return 0 if self.prefix_keys is None else self.prefix_keys.shape[-2]
 
     def get_seq_length(self) -> int:
@@ -122,8 +133,8 @@ class PassCacheLayer(CacheLayerMixin):
 
 def pass_cache(
     num_layers: int,
-    keys: list[torch.Tensor | PendingMix] | None = None,
-    values: list[torch.Tensor | PendingMix] | None = None,
+    keys: list[torch.Tensor] | None = None,
+    values: list[torch.Tensor] | None = None,
     record: bool = False,
     stop_after_last_record: bool = False,
 ) -> Cache:
@@ -135,6 +146,12 @@ def pass_cache(
         PassCacheLayer(k, v, record=record, stop_after_record=stop_after_last_record and i == num_layers - 1)
         for i, (k, v) in enumerate(zip(keys, values))
     ])
+
+
+def recomputing_pass_cache(prompt: list[RecomputedMix]) -> Cache:
+    """The cache of a training step's answer pass over a prompt read twice: each layer recomputes the mix of the two
+    prompt passes where it reads it (`layer_inputs.py`), and records nothing."""
+    return Cache(layers=[PassCacheLayer(recomputed_prefix=mix) for mix in prompt])
 
 
 def reading_pass_cache(cache: DynamicCache, stop_after_last_record: bool = False) -> Cache:
@@ -308,41 +325,12 @@ def recorded_key_values(cache: Cache) -> tuple[list[torch.Tensor], list[torch.Te
     return [layer.recorded_keys for layer in layers], [layer.recorded_values for layer in layers]
 
 
-@dataclass(frozen=True, eq=False)
-class PendingMix:
-    """
-    One layer's mix of the two prompt passes' keys (or values), computed where it is read: `mix_key_values` of the
-    three, to the bit.
-
-    In training the answer pass reads it inside its own decoder layer. Under activation checkpointing that layer then
-    recomputes the mix in the backward pass instead of holding it, so a step keeps the two prompt records but not
-    their mix as well (half as much again, per layer: docs/training.md, Memory).
-    """
-
-    causal: torch.Tensor
-    bidirectional: torch.Tensor
-    alpha: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.causal.shape
-
-    def compute(self) -> torch.Tensor:
-        return mix_key_values(self.causal, self.bidirectional, self.alpha)
-
-
-def computed(tensor: torch.Tensor | PendingMix) -> torch.Tensor:
-    """The tensor itself, or the mix a `PendingMix` stands for."""
-    return tensor.compute() if isinstance(tensor, PendingMix) else tensor
-
-
 def mix_recorded(
-    causal: Cache, bidirectional: Cache, mixer: BituneKVMixer, pending: bool = False
-) -> tuple[list[torch.Tensor | PendingMix], list[torch.Tensor | PendingMix]]:
+    causal: Cache, bidirectional: Cache, mixer: BituneKVMixer
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """
-    Mix two recorded prompt passes layer by layer; returns the mixed keys and values, or with `pending` each mix as a
-    `PendingMix`. A layer the mixer leaves out (`BituneConfig.mixed_layers`) keeps the causal pass's keys and values
-    as they are.
+    Mix two recorded prompt passes layer by layer; returns the mixed keys and values. A layer the mixer leaves out
+    (`BituneConfig.mixed_layers`) keeps the causal pass's keys and values as they are.
 
     The records are handed over: both pass caches forget them, and record nothing more (a checkpointed layer's
     recomputation in the backward pass writes to the cache again). Once the mix's backward has run, nothing holds
@@ -355,9 +343,8 @@ def mix_recorded(
         layer.forget_record()
 
     def mix(causal_tensors: list[torch.Tensor], bidirectional_tensors: list[torch.Tensor], alphas: torch.Tensor):
-        mixes = [PendingMix(c, b, alpha) if mixed else c
-                 for c, b, alpha, mixed in zip(causal_tensors, bidirectional_tensors, alphas, mixer.mixed)]
-        return mixes if pending else [computed(tensor) for tensor in mixes]
+        return [mix_key_values(c, b, alpha) if mixed else c
+                for c, b, alpha, mixed in zip(causal_tensors, bidirectional_tensors, alphas, mixer.mixed)]
 
     return mix(causal_keys, bidirectional_keys, key_alpha), mix(causal_values, bidirectional_values, value_alpha)
 
@@ -365,32 +352,31 @@ def mix_recorded(
 @dataclass
 class TrainingCache:
     """
-    The keys/values a training batch has built so far: one tensor per layer (or the `PendingMix` of its first
-    instruction), with its mask.
+    The keys/values a training batch has built so far, one tensor per layer, with its mask: what the later turns of a
+    multi-turn row read (a single turn's prompt is recomputed where it is read instead, see `layer_inputs.py`).
 
     It is kept left-padded (each row's real positions at the right end), so that the next chunk, right-padded, gives
     each row one contiguous run of real tokens: all that transformers' mask machinery needs (see `layout.py`).
     """
 
-    keys: list[torch.Tensor | PendingMix]
-    values: list[torch.Tensor | PendingMix]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
     mask: torch.Tensor
 
     @classmethod
     def extend(
         cls,
         cache: TrainingCache | None,
-        keys: list[torch.Tensor | PendingMix],
-        values: list[torch.Tensor | PendingMix],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
         mask: torch.Tensor,
     ) -> TrainingCache:
-        """Append a chunk; a right-padded chunk after a cache is padded to the left again (a gather per layer). A
-        pending mix is computed once it is joined to a later turn: only the first instruction's stays pending."""
+        """Append a chunk; a right-padded chunk after a cache is padded to the left again (a gather per layer)."""
         if cache is None:
             return cls(keys, values, mask)
         mask = torch.cat([cache.mask, mask], dim=1)
-        keys = [torch.cat([computed(old), computed(new)], dim=-2) for old, new in zip(cache.keys, keys)]
-        values = [torch.cat([computed(old), computed(new)], dim=-2) for old, new in zip(cache.values, values)]
+        keys = [torch.cat([old, new], dim=-2) for old, new in zip(cache.keys, keys)]
+        values = [torch.cat([old, new], dim=-2) for old, new in zip(cache.values, values)]
         repadded = repad_left(mask, *keys, *values)
         count = len(keys)
         return cls(list(repadded[1 : 1 + count]), list(repadded[1 + count :]), repadded[0])

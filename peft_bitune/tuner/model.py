@@ -171,11 +171,12 @@ class BituneModel(BaseTuner):
         return cached[1]
 
     @contextmanager
-    def weights(self, weight_set: WeightSet) -> Iterator[None]:
-        """Run the model with one weight set of the active adapter; restores the previous routing on exit."""
+    def weights(self, weight_set: WeightSet, decoder_layer: nn.Module | None = None) -> Iterator[None]:
+        """Run the model (or only `decoder_layer`, one of its decoder layers) with one weight set of the active
+        adapter; restores the previous routing on exit."""
         if weight_set not in WEIGHT_SETS:
             raise ValueError(f"`weight_set` must be one of {WEIGHT_SETS}, got {weight_set!r}.")
-        with self._router.routed_to(self._inner_names(self.active_adapter)[weight_set]):
+        with self._router.routed_to(self._inner_names(self.active_adapter)[weight_set], within=decoder_layer):
             yield
 
     # ------------------------------------------------------------------ state

@@ -7,13 +7,18 @@ For each instruction segment x_1..x_m of a training row:
 3. the two key/value caches are mixed per layer (`BituneKVMixer`),
 4. the answer pass runs x_m and the answer causally, with the causal weights, over the mixed cache.
 
-`generate` runs steps 1-3 on the prompt through the same `BitunePasses.read_twice`. The tuner (`BituneModel`) builds a
+In a training step the prompt passes record no keys/values: each decoder layer of the answer pass recomputes the two
+passes' keys/values of that layer from what they gave it as input, and mixes them there (`layer_inputs.py`), so that
+nothing holds keys/values across layers. Only the turns a later turn of the same row reads (multi-turn rows) are
+recorded and mixed at once, since every layer of every later pass reads them. `generate` runs steps 1-3 on the prompt
+through `BitunePasses.read_twice`, recording. The tuner (`BituneModel`) builds a
 `BitunePasses` for each forward: it hands over the model, how to route the layers to a weight set, the mixing scalars
 of the active adapter and the choices that depend on how the model is wrapped.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -27,14 +32,14 @@ from transformers.cache_utils import Cache
 from .. import compat
 from ..constants import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, SecondPassAttention, WeightSet
 from ..utils.base_model import decoder_of, num_layers
-from .caches import PendingMix, TrainingCache, mix_recorded, pass_cache, recorded_key_values
+from .caches import TrainingCache, mix_recorded, pass_cache, recomputing_pass_cache, recorded_key_values
+from .layer_inputs import RecomputedMix, capturing_layer_calls
 from .layout import Chunk, ConversationLayout, Turn
 from .mixing import BituneKVMixer, at_least_float32
 from .prompt_pass_end import ending_at_complete_record
 from .sharding import LayerPath, unshard_before_backward
 
 KeyValues = tuple[list[torch.Tensor], list[torch.Tensor]]
-MixedKeyValues = tuple[list[torch.Tensor | PendingMix], list[torch.Tensor | PendingMix]]
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,8 @@ class BitunePasses:
 
     Args:
         model (`nn.Module`): the causal LM, with the inner PEFT method's layers.
-        weights (`Callable`): `weights(weight_set)` is a context manager that runs the model with that weight set.
+        weights (`Callable`): `weights(weight_set)` is a context manager that runs the model with that weight set;
+            `weights(weight_set, decoder_layer)` routes that decoder layer alone.
         mixer (`BituneKVMixer`): the active adapter's mixing scalars.
         second_pass_attention (`str`): the mask of the bidirectional prompt pass (`"causal"` is the paper's ablation).
         stop_early (`bool`): whether a prompt pass may end once the last layer has recorded its keys/values (see
@@ -53,7 +59,7 @@ class BitunePasses:
     """
 
     model: nn.Module
-    weights: Callable[[WeightSet], AbstractContextManager]
+    weights: Callable[..., AbstractContextManager]
     mixer: BituneKVMixer
     second_pass_attention: SecondPassAttention
     stop_early: bool
@@ -71,42 +77,62 @@ class BitunePasses:
         Run instruction/answer turns in order over one growing cache; returns each turn's answer-pass output.
 
         Per turn: both prompt passes over x_1..x_{m-1} on top of the cache so far, their mix appended to the cache;
-        then x_m and the answer causally, their causal keys/values appended for the next turn.
+        then x_m and the answer causally, their causal keys/values appended for the next turn. A turn that nothing
+        comes before or after (every single-turn row) has its prompt recomputed by the answer pass instead
+        (`answer_over_prompt`), where each cache layer has its decoder layer.
         """
+        if len(turns) == 1 and len(self.decoder_layer_paths) == num_layers(self.model):
+            return [self.answer_over_prompt(turns[0], sequence, fused_head)]
         cache: TrainingCache | None = None
         outputs = []
         for number, turn in enumerate(turns):
             is_last = number == len(turns) - 1
             if turn.prefill.width > 0:
-                keys, values = self.mixed_prefill(turn.prefill, sequence, cache)
+                keys, values = self.read_twice(
+                    lambda: _pass_cache(cache, self.model, record=True, stop_after_last_record=self.stop_early),
+                    **turn.prefill.pass_inputs(sequence, None if cache is None else cache.mask),
+                )
                 cache = TrainingCache.extend(cache, keys, values, turn.prefill.mask)
-            output, recorded = self.answer_pass(turn.answer, sequence, cache, not is_last, fused_head)
-            outputs.append(output)
+            answer_cache = _pass_cache(cache, self.model, record=not is_last)
+            past_mask = None if cache is None else cache.mask
+            outputs.append(self.answer_pass(turn.answer, sequence, answer_cache, past_mask, fused_head))
             if not is_last:
-                cache = TrainingCache.extend(cache, *recorded, turn.answer.mask)
+                cache = TrainingCache.extend(cache, *recorded_key_values(answer_cache), turn.answer.mask)
         return outputs
 
-    def mixed_prefill(self, chunk: Chunk, sequence: torch.Tensor, cache: TrainingCache | None) -> MixedKeyValues:
-        """Steps 1-3 for one instruction segment: both prompt passes over its chunk, then the per-layer mix, left
-        pending: the answer pass computes it inside its decoder layers (see `caches.PendingMix`)."""
-        return self.read_twice(
-            lambda: _pass_cache(cache, self.model, record=True, stop_after_last_record=self.stop_early),
-            pending=True,
-            **chunk.pass_inputs(sequence, None if cache is None else cache.mask),
-        )
+    def answer_over_prompt(self, turn: Turn, sequence: torch.Tensor, fused_head: bool = False) -> Any:
+        """Steps 1-4 for a turn with nothing before it in its row: both prompt passes over x_1..x_{m-1}, keeping each
+        decoder layer's input rather than its keys/values, then the answer pass, whose layers recompute and mix the
+        two passes' keys/values where they read them (`layer_inputs.py`). Returns the answer pass's output."""
+        if turn.prefill.width == 0:  # a one-token instruction: nothing to read twice
+            return self.answer_pass(turn.answer, sequence, _pass_cache(None, self.model, record=False), None,
+                                    fused_head)
+        inputs = turn.prefill.pass_inputs(sequence, None)
+        decoder_layers = [path.modules[-1] for path in self.decoder_layer_paths]
+        calls = {}
+        for weight_set in (BIDIRECTIONAL, CAUSAL):
+            weights = functools.partial(self.weights, weight_set)
+            with capturing_layer_calls(decoder_layers, weights, stop_at_last=self.stop_early) as calls[weight_set]:
+                self.prompt_pass(weight_set, _pass_cache(None, self.model, record=False), **inputs)
+        key_alpha, value_alpha = self.mixer.coefficients()
+        prompt = [
+            RecomputedMix(causal, bidirectional, key_alpha[layer], value_alpha[layer], mixed, turn.prefill.width)
+            for layer, (causal, bidirectional, mixed) in enumerate(
+                zip(calls[CAUSAL], calls[BIDIRECTIONAL], self.mixer.mixed)
+            )
+        ]
+        return self.answer_pass(turn.answer, sequence, recomputing_pass_cache(prompt), turn.prefill.mask, fused_head)
 
-    def read_twice(
-        self, recording_cache: Callable[[], Cache], pending: bool = False, **inputs: torch.Tensor
-    ) -> MixedKeyValues:
-        """Steps 1-3, for training and generation alike: the bidirectional then the causal prompt pass over `inputs`,
-        each recording into a fresh `recording_cache()`; returns the per-layer mix (keys, values) of the two records,
-        as `PendingMix`es if `pending`."""
+    def read_twice(self, recording_cache: Callable[[], Cache], **inputs: torch.Tensor) -> KeyValues:
+        """Steps 1-3 with the keys/values recorded, for generation and for the turns a later turn reads: the
+        bidirectional then the causal prompt pass over `inputs`, each recording into a fresh `recording_cache()`;
+        returns the per-layer mix (keys, values) of the two records."""
         recorded = {}
         for weight_set in (BIDIRECTIONAL, CAUSAL):
             recorded[weight_set] = recording_cache()
             self.prompt_pass(weight_set, recorded[weight_set], **inputs)
             self._gather_shards_for_recorded(recorded[weight_set])
-        return mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer, pending=pending)
+        return mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer)
 
     def prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: Any) -> Any:
         """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used; a
@@ -120,26 +146,25 @@ class BitunePasses:
         return output
 
     def answer_pass(
-        self, chunk: Chunk, sequence: torch.Tensor, cache: TrainingCache | None, record: bool, fused_head: bool = False
-    ) -> tuple[Any, KeyValues | None]:
+        self, chunk: Chunk, sequence: torch.Tensor, cache: Cache, past_mask: torch.Tensor | None,
+        fused_head: bool = False,
+    ) -> Any:
         """
-        Step 4: x_m and the answer, causal weights, over the cache. Returns the model's output and, if `record`, the
-        chunk's causal keys/values.
+        Step 4: x_m and the answer, causal weights, over `cache`, whose positions `past_mask` marks. Returns the
+        model's output; a recording `cache` then holds the chunk's causal keys/values.
 
         The output holds the chunk's logits (rows, width, vocab); with `fused_head`, it is TRL's fused-head output of
         the chunk instead (per-token log-probabilities of the chunk's labels, never the logits): the base model
         answers the fused call (`fused_head.ensure_fused_head`) with the chunk's labels, already shifted.
         """
-        answer_cache = _pass_cache(cache, self.model, record=record)
         head = {"fused_lm_head": True, "shift_labels": chunk.labels} if fused_head else {}
         with self.weights(CAUSAL):
-            output = self.model(
-                **chunk.pass_inputs(sequence, None if cache is None else cache.mask),
-                **compat.with_cache(self.model, answer_cache),
+            return self.model(
+                **chunk.pass_inputs(sequence, past_mask),
+                **compat.with_cache(self.model, cache),
                 use_cache=False,
                 **head,
             )
-        return output, (recorded_key_values(answer_cache) if record else None)
 
     def _gather_shards_for_recorded(self, cache: Cache) -> None:
         """Under FSDP2, the keys/values a prompt pass recorded leave each decoder layer through the cache, not through

@@ -31,6 +31,9 @@ class ModuleIndex:
     """The modules of the base model that Bitune touches on every pass."""
 
     tuner_layers: tuple[BaseTunerLayer, ...]
+    # The tuner layers inside each decoder layer, by the decoder layer's id: a decoder layer that recomputes a prompt
+    # pass's keys/values routes only its own (`layer_inputs.py`), not the whole model's, many times a step.
+    tuner_layers_within: dict[int, tuple[BaseTunerLayer, ...]]
     checkpoint_layers: tuple[GradientCheckpointingLayer, ...]
     # The decoder's modules that a prompt pass ended at the last layer's keys/values leaves (see `prompt_pass_end.py`).
     left_early: tuple[nn.Module, ...]
@@ -45,6 +48,8 @@ class ModuleIndex:
         layer_names = {id(m): name for name, m in model.named_modules()}
         return cls(
             tuple(m for m in modules if isinstance(m, BaseTunerLayer)),
+            {id(layer): tuple(m for m in layer.modules() if isinstance(m, BaseTunerLayer))
+             for layer in decoder_layers},
             tuple(m for m in modules if isinstance(m, GradientCheckpointingLayer)),
             modules_left_early(decoder, decoder_layers),
             tuple(LayerPath.of(model, layer_names[id(layer)]) for layer in decoder_layers),
@@ -79,9 +84,10 @@ class LayerRouter:
         compat.route_layers(self.index.tuner_layers, [inner_name])
 
     @contextmanager
-    def routed_to(self, inner_name: str) -> Iterator[None]:
-        """Route every tuner layer to `inner_name` within the block; each layer's routing is restored on exit."""
-        layers = self.index.tuner_layers
+    def routed_to(self, inner_name: str, within: nn.Module | None = None) -> Iterator[None]:
+        """Route every tuner layer (or only those of the decoder layer `within`) to `inner_name` within the block;
+        each layer's routing is restored on exit."""
+        layers = self.index.tuner_layers if within is None else self.index.tuner_layers_within[id(within)]
         previous = [compat.routed_adapters(layer) for layer in layers]
         try:
             compat.route_layers(layers, [inner_name])

@@ -1,0 +1,155 @@
+"""
+What a training step's prompt passes leave for the answer pass: each decoder layer's input, not its keys and values.
+
+Under activation checkpointing every pass keeps each decoder layer's input anyway (a checkpointed layer is recomputed
+from it). A layer's keys and values are a function of that input, up to the attention's cache update, under the weight
+set of the pass. So the prompt passes record nothing: `capturing_layer_calls` keeps what each decoder layer was called
+with (references to tensors the pass holds anyway), and the answer pass's layer l recomputes the two prompt passes'
+keys and values of layer l from those calls, mixes them and attends (`RecomputedMix`, read by
+`caches.PassCacheLayer`). Nothing holds keys or values across layers: under checkpointing the answer pass's layer
+recomputes the mix once more in the backward pass instead of keeping it. The extra compute is each layer's input norm
+and key/value projections (and rotary) over the prompt, twice per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .. import compat
+from .mixing import mix_key_values
+from .prompt_pass_end import PromptPassComplete
+
+
+@dataclass(frozen=True, eq=False)
+class LayerCall:
+    """What one decoder layer was called with in a prompt pass, and the weight set that pass ran with."""
+
+    layer: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    weights: Callable[[], AbstractContextManager]
+
+    def key_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values this call wrote to its cache, computed again: the layer's own forward, under the pass's
+        weights, ended at its attention's cache update. The layer's `forward` is called directly, without its
+        `__call__`: no hooks (the layer runs inside a forward that already gathered it, under FSDP) and no
+        checkpoint of its own (the reading layer's checkpoint covers this)."""
+        capture = _KeyValueCapture()
+        kwargs = {name: (_CaptureCache(capture) if isinstance(value, Cache) else value)
+                  for name, value in self.kwargs.items()}
+        with self.weights(), compat.checkpointing_paused(self.layer):
+            try:
+                type(self.layer).forward(self.layer, *self.args, **kwargs)
+            except _KeyValuesReady:
+                return capture.keys, capture.values
+        raise RuntimeError(
+            f"{type(self.layer).__name__} did not write its keys/values through the cache's `update` method, which "
+            "Bitune needs to read a prompt pass's keys/values."
+        )
+
+
+@contextmanager
+def capturing_layer_calls(
+    layers: Sequence[nn.Module], weights: Callable[[nn.Module], AbstractContextManager], stop_at_last: bool
+) -> Iterator[list[LayerCall]]:
+    """
+    Keep what each of `layers` (the decoder layers, in order) is called with during the block; yields the list they
+    fill, one `LayerCall` a layer. `weights(layer)` makes the context that routes `layer` to the pass's weight set.
+
+    With `stop_at_last`, the pass ends once the last layer's call is kept (`PromptPassComplete`, caught by the prompt
+    pass): its own compute feeds nothing (see `prompt_pass_end.py` for when that is allowed).
+    """
+    calls: list[LayerCall | None] = [None] * len(layers)
+
+    def keep(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            calls[index] = LayerCall(module, args, dict(kwargs), lambda: weights(module))
+            if stop_at_last and index == len(layers) - 1:
+                raise PromptPassComplete
+
+        return hook
+
+    handles = [layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [i for i, call in enumerate(calls) if call is None]
+    if missing:
+        raise RuntimeError(
+            f"The prompt pass did not call decoder layers {missing}; Bitune reads each layer's keys/values from its "
+            "input."
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class RecomputedMix:
+    """
+    One decoder layer's mix of the two prompt passes' keys and values, recomputed where the answer pass reads it:
+    `mix_key_values` of the keys (values) the causal and the bidirectional pass wrote at this layer, to the bit. A
+    layer the mixer leaves out (`BituneConfig.mixed_layers`) reads the causal pass's keys and values as they are.
+    """
+
+    causal: LayerCall
+    bidirectional: LayerCall
+    key_alpha: torch.Tensor
+    value_alpha: torch.Tensor
+    mixed: bool
+    length: int
+
+    def key_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        causal_keys, causal_values = self.causal.key_values()
+        if not self.mixed:
+            return causal_keys, causal_values
+        bidirectional_keys, bidirectional_values = self.bidirectional.key_values()
+        return (mix_key_values(causal_keys, bidirectional_keys, self.key_alpha),
+                mix_key_values(causal_values, bidirectional_values, self.value_alpha))
+
+
+class _KeyValuesReady(Exception):
+    """Ends a layer's forward at its cache update: what `LayerCall.key_values` needs has been computed."""
+
+
+class _KeyValueCapture(CacheLayerMixin):
+    """A cache layer that keeps the keys/values it is given, then ends the forward."""
+
+    is_compileable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys = self.values = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys, self.values = key_states, value_states
+        raise _KeyValuesReady
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _CaptureCache(Cache):
+    """A cache whose every layer is the one capture: the layer index an attention asks for does not matter."""
+
+    def __init__(self, capture: _KeyValueCapture) -> None:
+        super().__init__(layers=[capture])
+        self.capture = capture
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.capture.update(key_states, value_states)
