@@ -5,6 +5,8 @@ test_serving_safety.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 openai = pytest.importorskip("openai", reason="the serving tests need the `serve` extra")
@@ -16,7 +18,6 @@ from peft_bitune.serving.validation import (  # noqa: E402
     ChatCompletionRequest,
     OpenAIError,
     check_request,
-    parse_body,
 )
 
 NAME = "served-model"
@@ -132,13 +133,15 @@ def test_the_request_fields_are_openais():
     assert set(ChatCompletionRequest.model_fields) <= set(CompletionCreateParamsStreaming.__annotations__)
 
 
-def test_json_is_parsed_strictly_before_the_fields_are_checked():
-    """NaN and Infinity are not JSON, and a lone surrogate is not text (pydantic's JSON parser reads the first two, and
-    refuses the third without naming its field): `parse_body` refuses them before the model sees the body."""
-    for raw in (b'{"top_p": NaN}', b'{"temperature": -Infinity}'):
-        with pytest.raises(OpenAIError, match="not valid JSON") as error:
-            parse_body(raw)
-        assert error.value.status == 400
-    with pytest.raises(OpenAIError, match="lone surrogate") as error:
-        parse_body(b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\ud800"}]}]}')
-    assert error.value.param == "messages[0].content[0].text"
+def test_non_finite_numbers_and_lone_surrogates_are_refused_by_their_field():
+    """NaN and Infinity (which Python's JSON parser reads) are no numbers here, and a lone surrogate (which pydantic's
+    `str` takes) is no text: each is refused by its field's path."""
+    for change, param in (({"top_p": float("nan")}, "top_p"), ({"temperature": float("-inf")}, "temperature")):
+        error = refused({**GOOD, **change})
+        assert (error.status, error.param) == (400, param) and "finite number" in error.message, error.message
+    surrogate = refused(with_content([{"type": "text", "text": "a\ud800"}]) | {"model": NAME})
+    assert surrogate.param == "messages[0].content[0].text" and "lone surrogate" in surrogate.message
+    assert refused({**GOOD, "stop": ["ok", "\udc00"]}).param == "stop[1]"
+    for body in ({**GOOD, "x\udc00": 1}, {**GOOD, "messages": [{"role": "user", "content": "x", "n\udc00": 1}]}):
+        error = refused(body)  # a refused key that is no text: the answer is still UTF-8
+        assert error.status == 400 and json.dumps(error.body(), ensure_ascii=False).encode("utf-8")

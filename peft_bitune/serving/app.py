@@ -10,21 +10,24 @@ answers waiting requests in batches), so the event loop stays free for other cli
 request is prepared or answered.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI reads the chat endpoint's body type, made per server, at runtime.
 import asyncio
 import copy
-import hmac
 import json
+import secrets
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.sse import EventSourceResponse, format_sse_event
 from jinja2 import TemplateError
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice
@@ -37,7 +40,7 @@ from .engine import ChatEngine, ChatRequest, ChatResult
 from .prompts import PromptLayoutError
 from .settings import ServerSettings
 from .streaming import StopTextFilter, TextStream
-from .validation import OpenAIError, check_request, parse_body
+from .validation import ChatCompletionRequest, OpenAIError, check_request, refusal
 
 _WORK_DONE = object()  # queued after the worker finished a streaming request, whatever happened
 PREPARATION_THREADS = 4  # requests checked, rendered and tokenized at once
@@ -55,11 +58,11 @@ class ChatCompletions:
         self._preparing = ThreadPoolExecutor(max_workers=PREPARATION_THREADS, thread_name_prefix="bitune-prepare")
 
     async def handle_request(
-        self, body: dict, request_id: str, api_key: int | None = None
-    ) -> JSONResponse | StreamingResponse:
+        self, body: ChatCompletionRequest, request_id: str, api_key: int | None = None
+    ) -> JSONResponse | EventSourceResponse:
         loop = asyncio.get_running_loop()
         request = await loop.run_in_executor(self._preparing, self.chat_request, body, api_key)
-        if body.get("stream"):
+        if body.stream:
             return self._stream(request, request_id)
         try:
             result = await asyncio.wrap_future(self.engine.submit(request))
@@ -76,10 +79,11 @@ class ChatCompletions:
         )
         return JSONResponse(completion.model_dump(exclude_none=True))
 
-    def chat_request(self, body: dict, api_key: int | None = None) -> ChatRequest:
-        """Check a request body and lay out its conversation; raises `OpenAIError` for anything wrong. The request
-        may reuse the conversations kept for the same API key, `user` and `prompt_cache_key` only."""
-        checked = check_request(body, self.model_name)
+    def chat_request(self, body: ChatCompletionRequest | dict, api_key: int | None = None) -> ChatRequest:
+        """Lay out a request's conversation (a body given as a dict is checked first); raises `OpenAIError` for
+        anything wrong. The request may reuse the conversations kept for the same API key, `user` and
+        `prompt_cache_key` only."""
+        checked = body if isinstance(body, ChatCompletionRequest) else check_request(body, self.model_name)
         max_tokens = checked.answer_tokens
         partition = (api_key, checked.user, checked.prompt_cache_key)
         texts = checked.text_messages()
@@ -130,7 +134,7 @@ class ChatCompletions:
             generation_config.pad_token_id = self.engine.tokenizer.pad_token_id or generation_config.eos_token_id
         return generation_config
 
-    def _stream(self, request: ChatRequest, request_id: str) -> StreamingResponse:
+    def _stream(self, request: ChatRequest, request_id: str) -> EventSourceResponse:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
@@ -143,12 +147,12 @@ class ChatCompletions:
         job.add_done_callback(lambda future: future.cancelled() or future.exception())  # read even if nobody awaits
         created = int(time.time())
 
-        def chunk(delta: ChoiceDelta, finish_reason: str | None = None, usage: CompletionUsage | None = None) -> str:
+        def chunk(delta: ChoiceDelta, finish_reason: str | None = None, usage: CompletionUsage | None = None) -> bytes:
             event = ChatCompletionChunk(
                 id=request_id, created=created, model=self.model_name, object="chat.completion.chunk",
                 choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish_reason)], usage=usage,
             )
-            return f"data: {event.model_dump_json(exclude_none=True)}\n\n"
+            return format_sse_event(data_str=event.model_dump_json(exclude_none=True))
 
         async def events():
             text, sent = StopTextFilter(request.stop), ""
@@ -172,14 +176,14 @@ class ChatCompletions:
                 if piece:
                     yield chunk(ChoiceDelta(content=piece))
                 yield chunk(ChoiceDelta(), finish_reason=result.finish_reason, usage=_usage(result))
-                yield "data: [DONE]\n\n"
+                yield format_sse_event(data_str="[DONE]")
             except (GeneratorExit, asyncio.CancelledError):
                 if not job.done():
                     self.cancelled_streams += 1
                 cancelled.set()  # the client left: stop generating (or never start)
                 raise
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return EventSourceResponse(events())
 
     def close(self) -> None:
         self._preparing.shutdown(wait=False, cancel_futures=True)
@@ -198,29 +202,33 @@ def build_app(engine: ChatEngine, model_name: str, settings: ServerSettings | No
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
 
-    # No endpoint declares typed parameters (the body is read raw and validated by `validation.check_request`), so
-    # FastAPI's own `RequestValidationError` cannot arise and needs no handler.
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, error: OpenAIError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
         return error.response(headers)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, error: RequestValidationError) -> JSONResponse:
+        return refusal(error.errors()).response()
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return OpenAIError(error.status_code, str(error.detail)).response()
+        cause = f": {error.__cause__}" if error.__cause__ else ""  # e.g. FastAPI's "error parsing the body": why
+        return OpenAIError(error.status_code, f"{error.detail}{cause}").response()
 
     @app.exception_handler(Exception)
     async def server_error(_request: Request, error: Exception) -> JSONResponse:
         return OpenAIError(500, f"Internal error: {type(error).__name__}: {error}").response()
 
-    def authorized_key(request: Request) -> int | None:
+    bearer = HTTPBearer(auto_error=False)  # refused below, in OpenAI's error shape
+
+    def authorized_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> int | None:
         """The index of the API key the request carries (None when the server has no keys); 401 otherwise."""
         if not settings.api_keys:
             return None
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        given_bytes = given.strip().encode("utf-8", "surrogateescape")
-        matches = [hmac.compare_digest(key.encode("utf-8"), given_bytes) for key in settings.api_keys]  # all compared
-        if scheme.lower() != "bearer" or not any(matches):
+        given = credentials.credentials.encode("utf-8") if credentials is not None else b""
+        matches = [secrets.compare_digest(key.encode("utf-8"), given) for key in settings.api_keys]  # all compared
+        if not any(matches):
             raise OpenAIError(
                 401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with a key this server was "
                 "started with (--api-key or BITUNE_SERVE_API_KEY).", code="invalid_api_key",
@@ -229,10 +237,13 @@ def build_app(engine: ChatEngine, model_name: str, settings: ServerSettings | No
 
     v1 = APIRouter(prefix="/v1")
 
-    @v1.post("/chat/completions")
-    async def chat_completions(request: Request, api_key: int | None = Depends(authorized_key)) -> Any:
-        body = parse_body(await _read_json_body(request, settings.max_request_bytes))
+    async def chat_completions(
+        body: ChatCompletionRequest.serving(model_name), api_key: int | None = Depends(authorized_key)
+    ) -> Any:
         return await handler.handle_request(body, f"chatcmpl-{uuid.uuid4().hex}", api_key)
+
+    v1.add_api_route("/chat/completions", chat_completions, methods=["POST"],
+                     route_class_override=_json_body_route(settings.max_request_bytes))
 
     @v1.get("/models")
     async def models(_api_key: int | None = Depends(authorized_key)) -> dict:
@@ -251,9 +262,37 @@ def build_app(engine: ChatEngine, model_name: str, settings: ServerSettings | No
     return app
 
 
+def _json_body_route(max_bytes: int) -> type[APIRoute]:
+    """A route that reads its body itself before FastAPI does (FastAPI's own `max_body_size` needs a FastAPI far above
+    this extra's floor, and answers in plain text): JSON only, and at most `max_bytes`."""
+
+    class JSONBodyRoute(APIRoute):
+        def get_route_handler(self) -> Any:
+            handle = super().get_route_handler()
+
+            async def read_then_handle(request: Request) -> Response:
+                return await handle(_ReadRequest(request, await _read_json_body(request, max_bytes)))
+
+            return read_then_handle
+
+    return JSONBodyRoute
+
+
+class _ReadRequest(Request):
+    """A request whose body was read already: FastAPI parses it from here (FastAPI's documented custom request)."""
+
+    def __init__(self, request: Request, body: bytes) -> None:
+        super().__init__(request.scope, request.receive)
+        self._read = body
+
+    async def body(self) -> bytes:
+        return self._read
+
+
 async def _read_json_body(request: Request, max_bytes: int) -> bytes:
-    """The body of a JSON request, refused (415) unless it says it is JSON, and (413) as soon as it is known to be
-    larger than `max_bytes`: from its Content-Length, or while it arrives."""
+    """The body of a JSON request, refused (415) unless it says it is JSON (so that no web page can post a form to
+    the server), and (413) as soon as it is known to be larger than `max_bytes`: from its Content-Length, or while it
+    arrives. Pydantic cannot express either: FastAPI would read the whole body first."""
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != "application/json":
         raise OpenAIError(
@@ -276,9 +315,9 @@ async def _read_json_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def _error_event(error: OpenAIError) -> str:
+def _error_event(error: OpenAIError) -> bytes:
     """An error inside a stream that has started (its status line was sent): OpenAI's error object as an event."""
-    return f"data: {json.dumps(error.body())}\n\n"
+    return format_sse_event(data_str=json.dumps(error.body()))
 
 
 def _usage(result: ChatResult) -> CompletionUsage:

@@ -1,34 +1,34 @@
 """Checks of a chat completion request body, each answered with OpenAI's error object and a 4xx status before any work.
 
-A body is refused when it is not strict JSON (NaN and Infinity are not JSON, though Python's parser reads them), when
-it holds an integer of more digits than Python converts (4,300 by default; no field takes a number near that), when
-it holds text that is not valid Unicode (a lone surrogate such as "\\ud800", which no tokenizer can encode), and when a
-field has a value OpenAI's API would refuse. Nothing is silently ignored: unknown fields are refused by name.
+FastAPI reads the body as JSON and validates it as `ChatCompletionRequest`, a pydantic model with OpenAI's field names
+and types for the fields this server honours; `refusal` turns pydantic's errors into OpenAI's error object (as vLLM's
+server does), naming the field by its request path and telling what it must be. Strictly: an integer field takes a
+JSON integer only, a number field a finite number (NaN and Infinity, which Python's JSON parser reads, are refused),
+and text must be valid Unicode (no lone surrogate such as "\\ud800", which no tokenizer can encode). Nothing is
+silently ignored: unknown fields are refused by name.
 
-The fields are checked by a pydantic model of the request (`ChatCompletionRequest`), with OpenAI's field names and
-types for the fields it honours. A `TypeAdapter` over OpenAI's own request type (`openai.types.chat`'s
-`CompletionCreateParams`) was considered and does not fit: it takes some thirty fields this server does not honour
-(tools, logprobs, images and audio in messages, ...) and cannot be told to refuse unknown ones, its keys change from
-one `openai` release to the next (newer text parts take a `prompt_cache_breakpoint`), and its `Iterable` fields are
-validated lazily, after the checks.
+A `TypeAdapter` over OpenAI's own request type (`openai.types.chat`'s `CompletionCreateParams`) was considered and
+does not fit: it takes some thirty fields this server does not honour (tools, logprobs, images and audio in messages,
+...) and cannot be told to refuse unknown ones, its keys change from one `openai` release to the next (newer text
+parts take a `prompt_cache_breakpoint`), and its `Iterable` fields are validated lazily, after the checks.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import reprlib
-import sys
-from typing import Annotated, Any, Literal, get_args
+from collections.abc import Sequence
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from fastapi.responses import JSONResponse
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
     Field,
     Tag,
     ValidationError,
-    ValidationInfo,
     field_validator,
     with_config,
 )
@@ -54,64 +54,29 @@ class OpenAIError(Exception):
         self.type = "invalid_request_error" if status < 500 else "server_error"
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The error object; text that is not valid Unicode (a refused field's name or value) written escaped."""
+        message, param = (None if text is None else text.encode("utf-8", "backslashreplace").decode()
+                          for text in (self.message, self.param))
+        return {"error": {"message": message, "type": self.type, "param": param, "code": self.code}}
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-# Hand-written, pydantic considered: its JSON parser reads NaN and Infinity as numbers, and refuses a lone surrogate
-# without naming the field, so the body is parsed (and its text checked) by Python's own parser first.
-def parse_body(raw: bytes) -> dict:
-    """The request body as a JSON object of valid Unicode text; raises `OpenAIError` (400) otherwise."""
+def _valid_unicode(text: str) -> str:
+    """Refuse a string holding a lone surrogate: pydantic's `str` takes one (JSON's \\u escapes can write it), and
+    every tokenizer refuses it."""
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant, parse_int=_parse_int)
-        if not isinstance(body, dict):
-            raise OpenAIError(400, f"The request body must be a JSON object, got {type(body).__name__}.")
-        _check_unicode(body, "")
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise OpenAIError(400, f"The request body is not valid JSON: {error}.") from error
-    except RecursionError:
-        raise OpenAIError(400, "The request body is nested too deeply to be a chat completion request.") from None
-    return body
-
-
-def _parse_int(text: str) -> int:
-    """A JSON integer, refused (400) where it has more digits than Python converts (`sys.get_int_max_str_digits()`):
-    `int` raises a `ValueError` that would otherwise be a 500."""
-    try:
-        return int(text)
-    except ValueError:
-        raise OpenAIError(
-            400, f"The request body holds an integer of {len(text.lstrip('-'))} digits, more than this server reads "
-            f"({sys.get_int_max_str_digits()}); no field takes a number that large.",
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError(
+            "lone_surrogate", "it is not valid Unicode text: it holds a lone surrogate (e.g. the escape \\ud800 "
+            "without its pair); send text as UTF-8, with surrogate escapes only in pairs",
         ) from None
+    return text
 
 
-def _refuse_constant(name: str) -> Any:
-    raise json.JSONDecodeError(f"{name} is not a JSON value (numbers must be finite)", name, 0)
-
-
-# Hand-written, pydantic considered: its `str` takes a Python string that holds a lone surrogate, and a check on each
-# string field would still miss the keys; one walk over the parsed body covers every string, keys included.
-def _check_unicode(value: Any, where: str) -> None:
-    """Refuse strings (keys and values) that cannot be encoded as UTF-8: JSON's \\u escapes can write a lone
-    surrogate, which Python keeps in a `str` and every tokenizer refuses."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise OpenAIError(
-                400, f"`{where or 'body'}` is not valid Unicode text: it holds a lone surrogate (e.g. the escape "
-                "\\ud800 without its pair). Send text as UTF-8, with surrogate escapes only in pairs.", where or None,
-            ) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_unicode(key, where)
-            _check_unicode(item, f"{where}.{key}" if where else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_unicode(item, f"{where}[{i}]")
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 def _form(value: Any) -> str:
@@ -134,10 +99,10 @@ class TextPart(TypedDict):
     only: images, audio and files are refused)."""
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-Content = _string_or_list(str, list[TextPart])
+Content = _string_or_list(Text, list[TextPart])
 
 
 @with_config(_STRICT)
@@ -148,18 +113,19 @@ class ChatMessage(TypedDict):
     content: Content
 
 
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 Stop = _string_or_list(StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)])
 
 
 class ChatCompletionRequest(BaseModel):
     """A chat completion request: the fields of OpenAI's `CompletionCreateParams` this server honours, with OpenAI's
     names and types, and bounds where the server needs them. Fields are checked in this order (the first wrong one is
-    told), after unknown fields; `model` is checked against the `served_model` of the validation context."""
+    told), after unknown fields; `model` is checked against `served_model` (see `serving`)."""
 
     model_config = _STRICT
+    served_model: ClassVar[str | None] = None  # the model of this server; any name when None
 
-    model: str
+    model: Text
     n: Annotated[int, Field(ge=1, le=1)] | None = None
     stream: bool | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -169,13 +135,20 @@ class ChatCompletionRequest(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     stop: Stop | None = None
-    user: str | None = None
-    prompt_cache_key: str | None = None
+    user: Text | None = None
+    prompt_cache_key: Text | None = None
+
+    @classmethod
+    @functools.cache
+    def serving(cls, served_model: str) -> type[ChatCompletionRequest]:
+        """The request of a server of `served_model`, which refuses other models' names (404). A class of its own, not
+        a validation context: FastAPI validates a body against a type, without context."""
+        return type(cls.__name__, (cls,), {"served_model": served_model, "__module__": cls.__module__})
 
     @field_validator("model")
     @classmethod
-    def _served(cls, model: str, info: ValidationInfo) -> str:
-        served = (info.context or {}).get("served_model")
+    def _served(cls, model: str) -> str:
+        served = cls.served_model
         if served is not None and model != served:
             raise PydanticCustomError(
                 "model_not_found", "The model `{model}` does not exist; this server serves `{served}`.",
@@ -227,18 +200,21 @@ _SHOWN.maxlist = _SHOWN.maxdict = 4
 _SHOWN.maxlevel = 2
 
 
-def check_request(body: dict, served_model: str) -> ChatCompletionRequest:
-    """The body as a `ChatCompletionRequest`; raises `OpenAIError` for the first thing wrong with it, after all unknown
-    fields (400), and 404 (`model_not_found`) for a model other than `served_model`."""
+def check_request(body: Any, served_model: str) -> ChatCompletionRequest:
+    """The body as a server of `served_model` reads it (what FastAPI does with a request body, for Python callers);
+    raises `OpenAIError` as the server answers."""
     try:
-        return ChatCompletionRequest.model_validate(body, context={"served_model": served_model})
+        return ChatCompletionRequest.serving(served_model).model_validate(body)
     except ValidationError as error:
-        raise _refusal(error.errors(include_url=False)) from None
+        raise refusal(error.errors(include_url=False)) from None
 
 
-def _refusal(errors: list[dict]) -> OpenAIError:
-    """OpenAI's error object for pydantic's errors: it holds one error where pydantic lists each, so the unknown fields
-    are told (all at once), else the first error, with its location as a request path and what the field must be."""
+def refusal(errors: Sequence[Any]) -> OpenAIError:
+    """OpenAI's error object for pydantic's errors (or FastAPI's, whose locations start at "body"): it holds one error
+    where pydantic lists each, so the unknown fields are told (all at once), else the first error, with its location
+    as a request path and what the field must be."""
+    errors = [{**error, "loc": tuple(error["loc"])[1:] if tuple(error["loc"])[:1] == ("body",) else error["loc"]}
+              for error in errors]
     unknown = sorted(str(error["loc"][0]) for error in errors if error["type"] == "extra_forbidden"
                      and len(error["loc"]) == 1)
     if unknown:
@@ -246,6 +222,10 @@ def _refusal(errors: list[dict]) -> OpenAIError:
             400, f"Unsupported request fields {unknown}; bitune-serve supports {sorted(SUPPORTED_FIELDS)}.", unknown[0]
         )
     error = errors[0]
+    if error["type"] == "json_invalid":  # FastAPI's: the body is not JSON
+        return OpenAIError(400, f"The request body is not valid JSON: {error.get('ctx', {}).get('error', '')}.")
+    if not error["loc"]:
+        return OpenAIError(400, f"The request body must be a chat completion request (a JSON object): {error['msg']}.")
     if error["type"] == "model_not_found":
         return OpenAIError(404, error["msg"], "model", "model_not_found")
     param, subject, expected = _located(error["loc"])

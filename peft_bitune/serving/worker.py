@@ -42,6 +42,9 @@ class _Job:
     item: Any = None
 
 
+# A queue and a condition of our own, not an `asyncio.Queue` drained by a one-thread executor: requests are also
+# queued without an event loop (`ChatEngine.run`'s callers, tests, benchmarks), and a batch takes every waiting job
+# that may join the head, which neither an `asyncio.Queue` nor an executor's private queue lets the worker see.
 class ModelWorker:
     """
     A daemon thread that runs queued jobs: plain callables one at a time, batchable items in batches.
