@@ -265,6 +265,23 @@ def test_trl_model_card_names_the_model_and_base_and_its_loading_code_runs(train
     torch.testing.assert_close(mixer_state(loaded), mixer_state(trainer.model))
 
 
+def test_trl_model_card_does_not_depend_on_the_wording_of_trls_card(tmp_path, trl_model_dir, monkeypatch):
+    """The card is the project's own template filled with TRL's card data: TRL's reward-model card, whose wording
+    differs, gives the same card. The run's logs are linked as in TRL's card."""
+    trainer = make_trainer(trl_model_dir, tmp_path)
+    trainer.create_model_card()
+    ours = (tmp_path / "README.md").read_text()
+    trainer._template_file = "rm_model_card.md"
+    trainer.create_model_card()
+    assert (tmp_path / "README.md").read_text() == ours
+
+    import trl.trainer.utils
+
+    monkeypatch.setattr(trl.trainer.utils, "get_comet_experiment_url", lambda: "https://www.comet.com/run/1")
+    trainer.create_model_card()
+    assert "- Logs: [Comet](https://www.comet.com/run/1)" in (tmp_path / "README.md").read_text()
+
+
 # ---------------------------------------------------------------------- distributed
 @pytest.mark.slow
 def test_ddp_on_two_processes_matches_one_process(tmp_path, trl_model_dir):

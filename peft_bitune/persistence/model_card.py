@@ -9,7 +9,6 @@ whatever else the card says.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
@@ -51,33 +50,6 @@ def write_model_card(
     card.text = _with_section(card.text, bitune_section(config, location, subfolder))
     card.save(path)
     return path
-
-
-def write_trl_model_card(
-    directory: str | os.PathLike, config: Any, location: str, recipe: dict[str, Any] | None = None
-) -> str:
-    """
-    Turn the card TRL's trainer wrote into `directory/README.md` into a Bitune adapter's card, and return its path.
-
-    TRL's card names the base model only when it is a Hub id (a local folder gives "[None](https://huggingface.co/None)")
-    and its quick start, `pipeline(model=...)`, cannot load an adapter that needs `import peft_bitune`. The base model
-    is named as recorded in the adapter config, and the quick start is replaced by the Bitune section (loading lines).
-    `recipe`: the training options beyond the paper that differ from their defaults (`BituneSFTConfig`), which the
-    adapter's config does not hold, so that the card says how the adapter was trained.
-    """
-    path = os.path.join(directory, CARD_NAME)
-    card = ModelCard.load(path)
-    base = config.base_model_name_or_path
-    named = f"[{base}](https://huggingface.co/{base})" if _hub_id(base) else f"`{base}`"
-    text = card.text.replace("[None](https://huggingface.co/None)", named if base else "an unrecorded base model")
-    # TRL's quick start runs to the next section; the Bitune section takes its place.
-    text = re.sub(r"^## Quick start\n.*?(?=^## |\Z)", f"{_START}{_END}\n\n", text, count=1, flags=re.S | re.M)
-    if recipe:
-        settings = ", ".join(f"`{name}={value!r}`" for name, value in recipe.items())
-        text += f"\n\n## Bitune training recipe\n\nTrained with options beyond the paper's recipe: {settings}.\n"
-    card.text = text
-    card.save(path)
-    return write_model_card(directory, config, location)
 
 
 def bitune_section(config: Any, location: str, subfolder: str | None = None) -> str:
