@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -96,6 +97,11 @@ class RecomputedMix:
     One decoder layer's mix of the two prompt passes' keys and values, recomputed where the answer pass reads it:
     `mix_key_values` of the keys (values) the causal and the bidirectional pass wrote at this layer, to the bit. A
     layer the mixer leaves out (`BituneConfig.mixed_layers`) reads the causal pass's keys and values as they are.
+
+    `checkpoint`: keep nothing of the recomputation for the backward pass but its inputs (held anyway), and run it
+    again there: for a reading layer that is not checkpointed itself (one that is recomputes all of it anyway).
+    Without it, every layer would keep the recomputation's norm outputs and keys/values, on top of the prompt passes'
+    own: more than the recorded keys/values it replaces.
     """
 
     causal: LayerCall
@@ -104,8 +110,14 @@ class RecomputedMix:
     value_alpha: torch.Tensor
     mixed: bool
     length: int
+    checkpoint: bool
 
     def key_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.checkpoint and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._key_values, use_reentrant=False)
+        return self._key_values()
+
+    def _key_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         causal_keys, causal_values = self.causal.key_values()
         if not self.mixed:
             return causal_keys, causal_values

@@ -308,6 +308,7 @@ class BituneModel(BaseTuner):
             mixer=self.mixer,
             second_pass_attention=self.peft_config[self.active_adapter].second_pass_attention,
             stop_early=self._router.prompt_passes_may_stop_early(),
+            checkpointing=bool(self._router.checkpointing_layers()),
             decoder_layer_paths=self._router.index.decoder_layer_paths,
         )
 

@@ -55,6 +55,7 @@ class BitunePasses:
         second_pass_attention (`str`): the mask of the bidirectional prompt pass (`"causal"` is the paper's ablation).
         stop_early (`bool`): whether a prompt pass may end once the last layer has recorded its keys/values (see
             `prompt_pass_end.may_end_early`).
+        checkpointing (`bool`): whether the decoder layers checkpoint in this forward.
         decoder_layer_paths (`Sequence[LayerPath]`): where each decoder layer sits, to find FSDP2 units.
     """
 
@@ -63,6 +64,7 @@ class BitunePasses:
     mixer: BituneKVMixer
     second_pass_attention: SecondPassAttention
     stop_early: bool
+    checkpointing: bool
     decoder_layer_paths: Sequence[LayerPath]
 
     def run_layout(self, layout: ConversationLayout, sequence: torch.Tensor, fused_head: bool = False) -> list[Any]:
@@ -116,7 +118,8 @@ class BitunePasses:
                 self.prompt_pass(weight_set, _pass_cache(None, self.model, record=False), **inputs)
         key_alpha, value_alpha = self.mixer.coefficients()
         prompt = [
-            RecomputedMix(causal, bidirectional, key_alpha[layer], value_alpha[layer], mixed, turn.prefill.width)
+            RecomputedMix(causal, bidirectional, key_alpha[layer], value_alpha[layer], mixed, turn.prefill.width,
+                          checkpoint=not self.checkpointing)
             for layer, (causal, bidirectional, mixed) in enumerate(
                 zip(calls[CAUSAL], calls[BIDIRECTIONAL], self.mixer.mixed)
             )
