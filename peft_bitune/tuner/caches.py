@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
@@ -37,9 +38,16 @@ from .checks import (
     check_same_shape,
     has_holes,
 )
-from .layer_inputs import RecomputedMix
 from .mixing import BituneKVMixer, mix_key_values
 from .prompt_pass_end import PromptPassComplete
+
+
+class RecomputedPrefix(Protocol):
+    """Keys/values a pass cache layer computes where they are read (`layer_inputs.RecomputedMix`)."""
+
+    length: int
+
+    def key_values(self) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class PassCacheLayer(CacheLayerMixin):
@@ -58,7 +66,7 @@ class PassCacheLayer(CacheLayerMixin):
             that type.
         stop_after_record (`bool`): raise `PromptPassComplete` once the chunk is recorded (set on the last layer
             where the model allows it: see `prompt_pass_end.py`).
-        recomputed_prefix (`RecomputedMix`, *optional*): instead of `prefix_keys` and `prefix_values`, the mixed
+        recomputed_prefix (`RecomputedPrefix`, *optional*): instead of `prefix_keys` and `prefix_values`, the mixed
             prompt the answer pass of a training step reads, recomputed by `update` (inside the reading layer).
     """
 
@@ -72,7 +80,7 @@ class PassCacheLayer(CacheLayerMixin):
         offset: int = 0,
         is_sliding: bool = False,
         stop_after_record: bool = False,
-        recomputed_prefix: RecomputedMix | None = None,
+        recomputed_prefix: RecomputedPrefix | None = None,
     ) -> None:
         super().__init__()
         if stop_after_record and not record:
@@ -148,7 +156,7 @@ def pass_cache(
     ])
 
 
-def recomputing_pass_cache(prompt: list[RecomputedMix]) -> Cache:
+def recomputing_pass_cache(prompt: list[RecomputedPrefix]) -> Cache:
     """The cache of a training step's answer pass over a prompt read twice: each layer recomputes the mix of the two
     prompt passes where it reads it (`layer_inputs.py`), and records nothing."""
     return Cache(layers=[PassCacheLayer(recomputed_prefix=mix) for mix in prompt])

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .. import compat
+from .caches import PassCacheLayer
 from .mixing import mix_key_values
 from .prompt_pass_end import PromptPassComplete
 
@@ -33,6 +34,7 @@ class LayerCall:
     """What one decoder layer was called with in a prompt pass, and the weight set that pass ran with."""
 
     layer: nn.Module
+    index: int
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     weights: Callable[[], AbstractContextManager]
@@ -42,14 +44,14 @@ class LayerCall:
         weights, ended at its attention's cache update. The layer's `forward` is called directly, without its
         `__call__`: no hooks (the layer runs inside a forward that already gathered it, under FSDP) and no
         checkpoint of its own (the reading layer's checkpoint covers this)."""
-        capture = _KeyValueCapture()
-        kwargs = {name: (_CaptureCache(capture) if isinstance(value, Cache) else value)
-                  for name, value in self.kwargs.items()}
+        capture = PassCacheLayer(record=True, stop_after_record=True)
+        cache = Cache(layers=[capture] * (self.index + 1))  # the attention asks for its own layer index
+        kwargs = {name: (cache if isinstance(value, Cache) else value) for name, value in self.kwargs.items()}
         with self.weights(), compat.checkpointing_paused(self.layer):
             try:
                 type(self.layer).forward(self.layer, *self.args, **kwargs)
-            except _KeyValuesReady:
-                return capture.keys, capture.values
+            except PromptPassComplete:
+                return capture.recorded_keys, capture.recorded_values
         raise RuntimeError(
             f"{type(self.layer).__name__} did not write its keys/values through the cache's `update` method, which "
             "Bitune needs to read a prompt pass's keys/values."
@@ -71,7 +73,7 @@ def capturing_layer_calls(
 
     def keep(index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            calls[index] = LayerCall(module, args, dict(kwargs), lambda: weights(module))
+            calls[index] = LayerCall(module, index, args, dict(kwargs), lambda: weights(module))
             if stop_at_last and index == len(layers) - 1:
                 raise PromptPassComplete
 
@@ -124,44 +126,3 @@ class RecomputedMix:
         bidirectional_keys, bidirectional_values = self.bidirectional.key_values()
         return (mix_key_values(causal_keys, bidirectional_keys, self.key_alpha),
                 mix_key_values(causal_values, bidirectional_values, self.value_alpha))
-
-
-class _KeyValuesReady(Exception):
-    """Ends a layer's forward at its cache update: what `LayerCall.key_values` needs has been computed."""
-
-
-class _KeyValueCapture(CacheLayerMixin):
-    """A cache layer that keeps the keys/values it is given, then ends the forward."""
-
-    is_compileable = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.keys = self.values = None
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys, self.values = key_states, value_states
-        raise _KeyValuesReady
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class _CaptureCache(Cache):
-    """A cache whose every layer is the one capture: the layer index an attention asks for does not matter."""
-
-    def __init__(self, capture: _KeyValueCapture) -> None:
-        super().__init__(layers=[capture])
-        self.capture = capture
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.capture.update(key_states, value_states)
