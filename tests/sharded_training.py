@@ -30,20 +30,22 @@ NUM_LAYERS = 2
 LEARNING_RATE = 0.5  # plain SGD: a gradient error shows as the same error in the weights
 
 
-def build_base() -> LlamaForCausalLM:
-    """The same tiny random Llama in every process."""
+def build_base(multi_head: bool = False) -> LlamaForCausalLM:
+    """The same tiny random Llama in every process; `multi_head`: as many key/value heads as query heads, so that a
+    checkpointed step recomputes the prompt's keys/values from its layer inputs (`tuner/layer_inputs.py`)."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False,
+        num_key_value_heads=4 if multi_head else 2, max_position_embeddings=64, pad_token_id=0,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
 
 
-def build_model(gradient_checkpointing: bool = False):
+def build_model(gradient_checkpointing: bool = False, multi_head: bool = False):
     """The same tiny Bitune model (LoRA r=4 on every linear layer, both weight sets) in every process."""
     model = get_peft_model(
-        build_base(),
+        build_base(multi_head),
         peft_bitune.BituneConfig(adapter_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")),
     )
     if gradient_checkpointing:
@@ -96,9 +98,9 @@ def train(model, rows: slice, in_place_on_logits: bool = False, fused_head: bool
         optimizer.zero_grad()
 
 
-def reference_training() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference_training(multi_head: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The same steps in one process; returns the trainable weights before and after."""
-    model = build_model()
+    model = build_model(multi_head=multi_head)
     before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
     for ids, mask, labels in batches():
@@ -225,7 +227,7 @@ def run_case(case: dict, output_dir: Path) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    model = build_model(case.get("gradient_checkpointing", False))
+    model = build_model(case.get("gradient_checkpointing", False), case.get("multi_head", False))
     names = trainable_names(model)
     sharded = SHARDINGS[case["sharding"]](model)
     # Whether a prompt pass may end at the last layer's keys/values, as seen under this sharding.

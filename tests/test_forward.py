@@ -21,7 +21,7 @@ from reference import (
     reference_row,
     trainable_grads,
 )
-from tiny_models import ATTENTION_CASES, VOCAB
+from tiny_models import ARCHITECTURES, ATTENTION_CASES, VOCAB, model_configs
 
 
 def make_batch(padding_side: str, **kwargs):
@@ -328,18 +328,65 @@ def test_gradient_checkpointing_gives_the_same_gradients(load_base, arch):
         torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=0, msg=name)
 
 
-def test_checkpointing_holds_no_keys_or_values_across_layers(load_base, monkeypatch):
-    """Under activation checkpointing, a single-turn training step holds no keys or values for its backward: the
-    prompt passes record none, and each answer-pass layer recomputes both prompt passes' keys/values of that layer
-    from their layer inputs, mixes them and drops them; its backward recomputes them again."""
+def multi_head_base(arch: str):
+    """The tiny `arch` with as many key/value heads as query heads: a token's keys and values outweigh its hidden
+    state (2 x 32 < 4 x 32), so that a checkpointed step recomputes the prompt's keys/values from its layer inputs
+    (`layer_inputs.recompute_prompt_keys_values`); the grouped-query tiny models record them."""
+    from transformers import AutoModelForCausalLM
+
+    from peft_bitune.tuner.layer_inputs import recompute_prompt_keys_values
+
+    config = model_configs()[arch]
+    config.num_key_value_heads = config.num_attention_heads
+    assert recompute_prompt_keys_values(config) and not recompute_prompt_keys_values(model_configs()[arch])
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_checkpointing_recomputes_the_prompt_keys_values_exactly(arch):
+    """Every architecture: a checkpointed step that recomputes both prompt passes' keys/values in the answer pass's
+    layers gives the loss and gradients of the step that records them (not checkpointed), which the per-row reference
+    checks."""
+    from peft_bitune.tuner import layer_inputs
+
+    plain = make_bitune(multi_head_base(arch))
+    plain.train()
+    _, batch, _ = make_batch("right")
+    loss = plain(**batch).loss
+    loss.backward()
+    model = make_bitune(multi_head_base(arch))
+    compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
+    model.train()
+    recomputed = []
+    key_values = layer_inputs.LayerCall.key_values
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layer_inputs.LayerCall, "key_values", lambda call: recomputed.append(1) or key_values(call))
+        checkpointed_loss = model(**batch).loss
+        checkpointed_loss.backward()
+    assert len(recomputed) == 2 * 2 * model.base_model.model.config.num_hidden_layers  # forward and backward
+    torch.testing.assert_close(checkpointed_loss, loss)
+    expected, got = trainable_grads(plain), trainable_grads(model)
+    assert got.keys() == expected.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("boundary", ["keys_values", "layer_inputs"])
+def test_checkpointing_holds_no_mix_across_layers(load_base, monkeypatch, boundary):
+    """Under activation checkpointing, a single-turn training step never holds the mix of the prompt passes: each
+    answer-pass layer computes it where it reads it and its backward computes it again. What the prompt passes leave
+    is either their keys and values (grouped-query models) or, where that is smaller, nothing but their layer inputs:
+    then no pass records keys/values, and the ones the answer pass recomputes are not held either."""
     from peft_bitune.tuner import caches, layer_inputs
 
-    mixed_tensors, records = [], []
+    inputs, mixes, records = [], [], []
     mix = layer_inputs.mix_key_values
 
     def spied_mix(causal, bidirectional, alpha):
         mixed = mix(causal, bidirectional, alpha)
-        mixed_tensors.extend(weakref.ref(tensor) for tensor in (causal, bidirectional, mixed))
+        inputs.extend((weakref.ref(causal), weakref.ref(bidirectional)))
+        mixes.append(weakref.ref(mixed))
         return mixed
 
     update = caches.PassCacheLayer.update
@@ -350,18 +397,20 @@ def test_checkpointing_holds_no_keys_or_values_across_layers(load_base, monkeypa
 
     monkeypatch.setattr(layer_inputs, "mix_key_values", spied_mix)
     monkeypatch.setattr(caches.PassCacheLayer, "update", spied_update)
-    base = load_base("llama")
+    base = load_base("llama") if boundary == "keys_values" else multi_head_base("llama")
     model = make_bitune(base)
     compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
     model.train()
     loss = model(**make_batch("right")[1]).loss
     gc.collect()
     layers = base.config.num_hidden_layers
-    assert len(mixed_tensors) == 3 * 2 * layers  # keys and values of every layer, mixed in the answer pass
-    assert [ref() is not None for ref in mixed_tensors] == [False] * len(mixed_tensors)  # none held
-    assert records and not any(records)  # no pass recorded anything
+    assert len(mixes) == 2 * layers  # keys and values of every layer, mixed in the answer pass
+    assert [ref() is not None for ref in mixes] == [False] * len(mixes)  # none held
+    held = [ref() is not None for ref in inputs]
+    assert held == [boundary == "keys_values"] * len(held)
+    assert any(records) == (boundary == "keys_values")
     loss.backward()
-    assert len(mixed_tensors) == 2 * 3 * 2 * layers  # recomputed in the backward
+    assert len(mixes) == 2 * 2 * layers  # computed again in the backward
 
 
 def test_reentrant_gradient_checkpointing_is_refused(load_base):

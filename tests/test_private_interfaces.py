@@ -126,6 +126,24 @@ def test_transformers_checkpointed_layers_keep_a_cache_when_told_so(load_base):
     assert recorded_layers() == 0
 
 
+def test_transformers_layer_forward_checkpoints_only_while_gradient_checkpointing_is_set(load_base):
+    """`layer_inputs` runs a decoder layer's own `forward` inside the answer pass's layer: transformers (5.25) wraps a
+    checkpointing layer's `forward` in its checkpoint, which `checkpointing_paused` turns off for that call."""
+    base = load_base("llama").train()
+    compat.enable_checkpointing(base, use_reentrant=False)
+    layer, calls = checkpoint_layers(base)[0], []
+    checkpoint = layer._gradient_checkpointing_func
+    layer._gradient_checkpointing_func = lambda *args, **kwargs: (calls.append(1), checkpoint(*args, **kwargs))[1]
+    hidden = torch.randn(1, 3, base.config.hidden_size, requires_grad=True)
+    position_embeddings = base.model.rotary_emb(hidden, torch.arange(3)[None])
+    with compat.checkpointing_paused(layer):
+        type(layer).forward(layer, hidden, position_embeddings=position_embeddings, attention_mask=None)
+    assert calls == [] and layer.gradient_checkpointing is True, UPGRADE.format(
+        library="transformers", does="checkpoints a layer's `forward` only while `gradient_checkpointing` is set",
+        function="checkpointing_paused",
+    )
+
+
 def test_transformers_resolves_and_checks_generation_arguments(load_base):
     base = load_base("llama")
     message = UPGRADE.format(

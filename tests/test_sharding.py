@@ -36,6 +36,11 @@ CASES = [
      "gradient_checkpointing": True},
     {"name": "fsdp1", "sharding": "fsdp1"},
     {"name": "fsdp2_layers_only", "sharding": "fsdp2_layers_only"},
+    # A multi-head model, whose checkpointed answer pass recomputes both prompt passes' keys/values in its layers.
+    {"name": "fsdp2_checkpointing_multi_head", "sharding": "fsdp2", "gradient_checkpointing": True,
+     "multi_head": True},
+    {"name": "fsdp2_fused_head_checkpointing_multi_head", "sharding": "fsdp2", "fused_head": True,
+     "gradient_checkpointing": True, "multi_head": True},
 ]
 
 
@@ -96,7 +101,16 @@ def test_reference_trains_both_weight_sets_and_the_mixing_scalars(reference):
     ],
 )
 def test_sharded_training_matches_one_process(sharded_runs, reference, case):
-    outcome = sharded_runs[case]
+    check_against_reference(sharded_runs[case], reference, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fsdp2_checkpointing_multi_head", "fsdp2_fused_head_checkpointing_multi_head"])
+def test_sharded_training_recomputing_the_prompt_keys_values_matches_one_process(sharded_runs, case):
+    check_against_reference(sharded_runs[case], sharded_training.reference_training(multi_head=True), case)
+
+
+def check_against_reference(outcome: dict, reference, case: str) -> None:
     assert "error" not in outcome, outcome.get("error")
     if case.startswith("fsdp2"):
         layers = {f"base_model.model.model.layers.{i}" for i in range(sharded_training.NUM_LAYERS)}

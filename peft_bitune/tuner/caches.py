@@ -10,8 +10,9 @@ Each pass reads the keys/values built so far and may record its own. Two propert
   overwrite what the first run wrote instead of appending it a second time.
 
 Both are one layer class, `PassCacheLayer`: an optional fixed prefix, plus an optional record of the last chunk.
-In training the prefix of the answer pass is usually a `layer_inputs.RecomputedMix`: the mix of the two prompt passes,
-recomputed inside the reading layer from what those passes gave the layer as input, so that no pass records anything.
+In training the prefix of a single turn's answer pass is a `layer_inputs.PromptMix`: the mix of the two prompt passes,
+computed inside the reading layer from what those passes left (`layer_inputs.py`), so that it is never held across
+layers.
 A prompt pass of generation feeds nothing but its keys/values, so once the last layer has recorded them the pass may
 end there (see `prompt_pass_end.py`). In training it holds every position and is never a sliding-window layer;
 sliding-window models still get their window, because transformers builds the sliding mask from the config over
@@ -43,7 +44,7 @@ from .prompt_pass_end import PromptPassComplete
 
 
 class RecomputedPrefix(Protocol):
-    """Keys/values a pass cache layer computes where they are read (`layer_inputs.RecomputedMix`)."""
+    """Keys/values a pass cache layer computes where they are read (`layer_inputs.PromptMix`)."""
 
     length: int
 

@@ -1,14 +1,24 @@
 """
-What a training step's prompt passes leave for the answer pass: each decoder layer's input, not its keys and values.
+What a training step's prompt passes leave for the answer pass, and the mix the answer pass computes from it where it
+reads it (`PromptMix`, read by `caches.PassCacheLayer`): nothing of the mix is held across layers.
 
 Under activation checkpointing every pass keeps each decoder layer's input anyway (a checkpointed layer is recomputed
-from it). A layer's keys and values are a function of that input, up to the attention's cache update, under the weight
-set of the pass. So the prompt passes record nothing: `capturing_layer_calls` keeps what each decoder layer was called
-with (references to tensors the pass holds anyway), and the answer pass's layer l recomputes the two prompt passes'
-keys and values of layer l from those calls, mixes them and attends (`RecomputedMix`, read by
-`caches.PassCacheLayer`). Nothing holds keys or values across layers: under checkpointing the answer pass's layer
-recomputes the mix once more in the backward pass instead of keeping it. The extra compute is each layer's input norm
-and key/value projections (and rotary) over the prompt, twice per step.
+from it); what else a step keeps for the prompt passes is the boundary between their graphs and the answer pass's.
+Autograd runs the answer pass's backward through every layer before the prompt passes' backward starts (their nodes
+are older), so the gradient at that boundary is held for every layer until the prompt passes' backward reaches it.
+Two boundaries give the same results, and the smaller one is taken for each model (`recompute_prompt_keys_values`):
+
+- the keys and values of both passes (2 passes x (keys + values) x P x the key/value width a layer): each prompt pass
+  records them (`HeldKeyValues`), and they, then their gradient, are held;
+- each decoder layer's input (2 passes x P x the hidden size a layer): the prompt passes record nothing;
+  `capturing_layer_calls` keeps what each decoder layer was called with (references to tensors the pass holds
+  anyway), and the answer pass's layer l recomputes the two passes' keys and values of layer l from those calls
+  (`LayerCall`: its input norm and key/value projections, and rotary, over the prompt, twice per step); only the
+  gradient of those inputs is held. Smaller where a token's keys and values outweigh its hidden state: multi-head
+  models such as Gemma-7B, Llama-2-7B and Phi-2.
+
+Without checkpointing the recorded keys and values are what each prompt pass's attention keeps for its own backward
+anyway, so they are the boundary whatever the model.
 """
 
 from __future__ import annotations
@@ -94,25 +104,45 @@ def capturing_layer_calls(
 
 
 @dataclass(frozen=True, eq=False)
-class RecomputedMix:
+class HeldKeyValues:
+    """The keys and values one prompt pass recorded at one layer."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def key_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
+
+
+def recompute_prompt_keys_values(text_config: Any) -> bool:
+    """Whether the prompt passes of a checkpointed training step should leave their layer inputs rather than their
+    keys and values (see the module's docstring): where 2 x the hidden size is under 4 x the key/value width."""
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    return 2 * text_config.hidden_size < 4 * kv_heads * head_dim
+
+
+@dataclass(frozen=True, eq=False)
+class PromptMix:
     """
-    One decoder layer's mix of the two prompt passes' keys and values, recomputed where the answer pass reads it:
+    One decoder layer's mix of the two prompt passes' keys and values, computed where the answer pass reads it:
     `mix_key_values` of the keys (values) the causal and the bidirectional pass wrote at this layer, to the bit. A
     layer the mixer leaves out (`BituneConfig.mixed_layers`) reads the causal pass's keys and values as they are.
+    Under checkpointing, the reading layer computes it again in its backward instead of holding it.
 
-    `checkpoint`: keep nothing of the recomputation for the backward pass but its inputs (held anyway), and run it
-    again there: for a reading layer that is not checkpointed itself (one that is recomputes all of it anyway).
-    Without it, every layer would keep the recomputation's norm outputs and keys/values, on top of the prompt passes'
-    own: more than the recorded keys/values it replaces.
+    `checkpoint` (for recomputed keys/values read by a layer that is not checkpointed itself): keep nothing of the
+    recomputation for the backward pass but its inputs (held anyway), and run it again there; without it, every
+    layer would keep the recomputation's norm outputs and keys/values on top of the prompt passes' own.
     """
 
-    causal: LayerCall
-    bidirectional: LayerCall
+    causal: LayerCall | HeldKeyValues
+    bidirectional: LayerCall | HeldKeyValues
     key_alpha: torch.Tensor
     value_alpha: torch.Tensor
     mixed: bool
     length: int
-    checkpoint: bool
+    checkpoint: bool = False
 
     def key_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.checkpoint and torch.is_grad_enabled():

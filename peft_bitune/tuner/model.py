@@ -36,7 +36,7 @@ from ..constants import (
 )
 from ..persistence.base_model_records import match_base_model
 from ..persistence.checkpoint_keys import checkpoint_key, loaded_adapter_state, saved_adapter_state
-from ..utils.base_model import max_positions, num_layers
+from ..utils.base_model import max_positions, num_layers, text_config
 from . import generation
 from .caches import BituneCache
 from .checks import (
@@ -50,6 +50,7 @@ from .checks import (
 )
 from .config import BituneConfig
 from .fused_head import check_fused_call, ensure_fused_head, fused_output
+from .layer_inputs import recompute_prompt_keys_values
 from .layout import ConversationLayout
 from .mixing import BituneKVMixer
 from .passes import BitunePasses, answer_loss
@@ -302,13 +303,15 @@ class BituneModel(BaseTuner):
     # ------------------------------------------------------------------ passes
     def _passes(self) -> BitunePasses:
         """The passes of a forward of the active adapter, as the model is wrapped now."""
+        checkpointing = bool(self._router.checkpointing_layers())
         return BitunePasses(
             model=self.model,
             weights=self.weights,
             mixer=self.mixer,
             second_pass_attention=self.peft_config[self.active_adapter].second_pass_attention,
             stop_early=self._router.prompt_passes_may_stop_early(),
-            checkpointing=bool(self._router.checkpointing_layers()),
+            checkpointing=checkpointing,
+            recompute_prompt=checkpointing and recompute_prompt_keys_values(text_config(self.model)),
             decoder_layer_paths=self._router.index.decoder_layer_paths,
         )
 

@@ -33,7 +33,7 @@ from .. import compat
 from ..constants import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, SecondPassAttention, WeightSet
 from ..utils.base_model import decoder_of, num_layers
 from .caches import TrainingCache, mix_recorded, pass_cache, recomputing_pass_cache, recorded_key_values
-from .layer_inputs import RecomputedMix, capturing_layer_calls
+from .layer_inputs import HeldKeyValues, LayerCall, PromptMix, capturing_layer_calls
 from .layout import Chunk, ConversationLayout, Turn
 from .mixing import BituneKVMixer, at_least_float32
 from .prompt_pass_end import ending_at_complete_record
@@ -56,6 +56,8 @@ class BitunePasses:
         stop_early (`bool`): whether a prompt pass may end once the last layer has recorded its keys/values (see
             `prompt_pass_end.may_end_early`).
         checkpointing (`bool`): whether the decoder layers checkpoint in this forward.
+        recompute_prompt (`bool`): whether a training step's prompt passes leave their layer inputs for the answer
+            pass to recompute their keys/values from, rather than the keys/values (`layer_inputs.py`).
         decoder_layer_paths (`Sequence[LayerPath]`): where each decoder layer sits, to find FSDP2 units.
     """
 
@@ -65,6 +67,7 @@ class BitunePasses:
     second_pass_attention: SecondPassAttention
     stop_early: bool
     checkpointing: bool
+    recompute_prompt: bool
     decoder_layer_paths: Sequence[LayerPath]
 
     def run_layout(self, layout: ConversationLayout, sequence: torch.Tensor, fused_head: bool = False) -> list[Any]:
@@ -103,28 +106,46 @@ class BitunePasses:
         return outputs
 
     def answer_over_prompt(self, turn: Turn, sequence: torch.Tensor, fused_head: bool = False) -> Any:
-        """Steps 1-4 for a turn with nothing before it in its row: both prompt passes over x_1..x_{m-1}, keeping each
-        decoder layer's input rather than its keys/values, then the answer pass, whose layers recompute and mix the
-        two passes' keys/values where they read them (`layer_inputs.py`). Returns the answer pass's output."""
+        """Steps 1-4 for a turn with nothing before it in its row: both prompt passes over x_1..x_{m-1}, then the
+        answer pass, whose layers mix the two passes' keys/values where they read them, from what the passes left
+        (`layer_inputs.py`: their keys/values, or their layer inputs to recompute them from). Returns the answer
+        pass's output."""
         if turn.prefill.width == 0:  # a one-token instruction: nothing to read twice
             return self.answer_pass(turn.answer, sequence, _pass_cache(None, self.model, record=False), None,
                                     fused_head)
         inputs = turn.prefill.pass_inputs(sequence, None)
-        decoder_layers = [path.modules[-1] for path in self.decoder_layer_paths]
-        calls = {}
+        left = {}
         for weight_set in (BIDIRECTIONAL, CAUSAL):
-            weights = functools.partial(self.weights, weight_set)
-            with capturing_layer_calls(decoder_layers, weights, stop_at_last=self.stop_early) as calls[weight_set]:
-                self.prompt_pass(weight_set, _pass_cache(None, self.model, record=False), **inputs)
+            left[weight_set] = (self._layer_calls(weight_set, inputs) if self.recompute_prompt
+                                else self._recorded_key_values(weight_set, inputs))
         key_alpha, value_alpha = self.mixer.coefficients()
         prompt = [
-            RecomputedMix(causal, bidirectional, key_alpha[layer], value_alpha[layer], mixed, turn.prefill.width,
-                          checkpoint=not self.checkpointing)
+            PromptMix(causal, bidirectional, key_alpha[layer], value_alpha[layer], mixed, turn.prefill.width,
+                      checkpoint=self.recompute_prompt and not self.checkpointing)
             for layer, (causal, bidirectional, mixed) in enumerate(
-                zip(calls[CAUSAL], calls[BIDIRECTIONAL], self.mixer.mixed)
+                zip(left[CAUSAL], left[BIDIRECTIONAL], self.mixer.mixed)
             )
         ]
         return self.answer_pass(turn.answer, sequence, recomputing_pass_cache(prompt), turn.prefill.mask, fused_head)
+
+    def _layer_calls(self, weight_set: WeightSet, inputs: dict[str, torch.Tensor]) -> list[LayerCall]:
+        """One prompt pass that records nothing, keeping what each decoder layer was called with."""
+        decoder_layers = [path.modules[-1] for path in self.decoder_layer_paths]
+        weights = functools.partial(self.weights, weight_set)
+        with capturing_layer_calls(decoder_layers, weights, stop_at_last=self.stop_early) as calls:
+            self.prompt_pass(weight_set, _pass_cache(None, self.model, record=False), **inputs)
+        return calls
+
+    def _recorded_key_values(self, weight_set: WeightSet, inputs: dict[str, torch.Tensor]) -> list[HeldKeyValues]:
+        """One prompt pass that records its keys/values; the pass cache hands them over and records no more (a
+        checkpointed layer's recomputation writes to it again), so that nothing else holds them."""
+        cache = _pass_cache(None, self.model, record=True, stop_after_last_record=self.stop_early)
+        self.prompt_pass(weight_set, cache, **inputs)
+        self._gather_shards_for_recorded(cache)
+        recorded = [HeldKeyValues(keys, values) for keys, values in zip(*recorded_key_values(cache))]
+        for layer in cache.layers:
+            layer.forget_record()
+        return recorded
 
     def read_twice(self, recording_cache: Callable[[], Cache], **inputs: torch.Tensor) -> KeyValues:
         """Steps 1-3 with the keys/values recorded, for generation and for the turns a later turn reads: the
