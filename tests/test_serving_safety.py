@@ -172,6 +172,37 @@ def test_non_finite_numbers_huge_seeds_huge_integers_and_lone_surrogates_get_400
     assert post_raw(url, json.dumps(GOOD).encode(), headers=bearer("key-a"))[0] == 200
 
 
+def stream_events(url: str, body: dict, key: str) -> tuple[int, list[dict]]:
+    """(status, the events' JSON objects) of a streamed request, read to its end."""
+    address = urlparse(url)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=REQUEST_TIMEOUT_S)
+    try:
+        connection.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                           headers={"Content-Type": "application/json", **bearer(key)})
+        response = connection.getresponse()
+        lines = response.read().decode().splitlines()
+    finally:
+        connection.close()
+    return response.status, [json.loads(line[len("data: "):]) for line in lines
+                             if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 5e-324, 1e-6])
+def test_a_temperature_too_small_to_sample_with_answers_greedily(guarded, temperature):
+    """Dividing the logits by a temperature below about 1e-38 overflows (float32), and sampling then fails: any
+    temperature below `GREEDY_BELOW_TEMPERATURE` is answered as temperature 0 is, whole and streamed, seed or not."""
+    url, _ = guarded
+    body = {**GOOD, "messages": [user(STORIES[6])], "max_tokens": MAX_TOKENS}
+    greedy = client_of(url, "key-a").chat.completions.create(**body).choices[0].message.content
+    for fields in ({"temperature": temperature}, {"temperature": temperature, "top_p": 0.5, "seed": 3}):
+        status, answer, _ = post_raw(url, json.dumps({**body, **fields}).encode(), headers=bearer("key-a"))
+        assert status == 200, answer
+        assert answer["choices"][0]["message"]["content"] == greedy
+        status, events = stream_events(url, {**body, **fields}, "key-a")
+        assert status == 200 and not [event for event in events if "error" in event], events
+        assert "".join(event["choices"][0]["delta"].get("content") or "" for event in events) == greedy
+
+
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(guarded):
     url, engine = guarded
     cases = [

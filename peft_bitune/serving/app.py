@@ -44,6 +44,9 @@ from .validation import ChatCompletionRequest, OpenAIError, check_request, refus
 
 _WORK_DONE = object()  # queued after the worker finished a streaming request, whatever happened
 PREPARATION_THREADS = 4  # requests checked, rendered and tokenized at once
+# Below this temperature a request is answered greedily, as at 0 (vLLM's threshold too): sampling is greedy there but
+# for near-ties, and dividing the logits by a temperature below about 1e-38 overflows float32, which sampling refuses.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 class ChatCompletions:
@@ -117,11 +120,12 @@ class ChatCompletions:
         return sum(len(message["content"]) for message in texts)
 
     def _generation_config(self, temperature: float | None, top_p: float | None) -> Any:
-        """The model's generation config with the request's settings: greedy at temperature 0, sampling at any
-        other temperature or `top_p` (as OpenAI does), the model's own choice when neither is given."""
+        """The model's generation config with the request's settings: greedy at temperature 0 (and below
+        `GREEDY_BELOW_TEMPERATURE`, whatever `top_p`), sampling at any other temperature or `top_p` (as OpenAI does),
+        the model's own choice when neither is given."""
         generation_config = copy.deepcopy(self.engine.model.generation_config)
         generation_config.stop_strings = None  # the request's own, in `ChatRequest.stop` (`streaming.StopStrings`)
-        if temperature == 0.0:
+        if temperature is not None and temperature < GREEDY_BELOW_TEMPERATURE:
             generation_config.do_sample = False
             generation_config.temperature = generation_config.top_p = None  # greedy: no sampling settings to warn of
         elif temperature is not None or top_p is not None:
