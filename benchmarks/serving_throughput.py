@@ -18,7 +18,8 @@ step), median and p90 over all requests; `throughput_ratio[N]` is batched over u
     python benchmarks/serving_throughput.py --model smollm2 --device cuda --clients 1 2 4 8 16 32
 
 `--model smollm2` serves SmolLM2-135M-Instruct's real weights (examples/smollm2/load.py; needs its one-time
-conversion) with its own tokenizer and chat template.
+conversion) with its own tokenizer and the chat template the quickstart trains it with
+(examples/smollm2/chatml_training.jinja: its ChatML with TRL's `{% generation %}` markers, the same text).
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ def load(name: str, device: str, dtype: torch.dtype):
     folder = smollm2_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    return with_random_adapters(base, device, tokenizer), tokenizer, None  # its own ChatML template
+    # Its own template has no markers and is none TRL knows: an alternating adapter is not served with it.
+    with open(os.path.join(ROOT, "examples", "smollm2", "chatml_training.jinja"), encoding="utf-8") as file:
+        template = file.read()
+    return with_random_adapters(base, device, tokenizer), tokenizer, template
 
 
 def one_client(client, texts: list[str], max_tokens: int, start: threading.Barrier, rows: list) -> None:

@@ -37,7 +37,6 @@ from serving_helpers import (  # noqa: E402
     NAME,
     REQUEST_TIMEOUT_S,
     STORIES,
-    FullPrefill,
     ask,
     assistant,
     converse,
@@ -46,13 +45,6 @@ from serving_helpers import (  # noqa: E402
     load_model,
     streamed_pieces,
     user,
-)
-
-# The miniature template with TRL's `{% generation %}` markers around what the assistant writes.
-MARKED_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{% if message['role'] == 'assistant' %}"
-    "{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}{% else %}{{ message['content'] }}"
-    "{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
 
@@ -277,28 +269,27 @@ def test_stop_strings_are_cut_the_same_whole_or_streamed():
     assert "".join(stream.feed(piece) for piece in ["Answ", "er", "?"]) + stream.flush() == "Answer?"
 
 
-def test_the_turns_are_found_from_the_template_as_trl_finds_the_assistant_spans(serving_tokenizer, serving_template):
-    """Without markers, by rendering up to each answer; with TRL's `{% generation %}` markers, by transformers'
-    assistant mask: the same layout. An answer is what the assistant wrote and the EOS token after it."""
+def answer_texts(tokenizer, prompt: Prompt) -> list[str]:
+    return [tokenizer.decode(prompt.token_ids[start:end]) for start, end, is_answer in prompt.segments() if is_answer]
+
+
+def test_the_turns_are_found_from_the_templates_generation_markers_as_trl_finds_the_assistant_spans(
+    serving_tokenizer, serving_template
+):
+    """The miniature template marks the assistant's content and the EOS token after it: the answers are transformers'
+    assistant mask, the tokens TRL's `assistant_only_loss` trains."""
     tokenizer = serving_tokenizer
     messages = [{"role": "system", "content": "Be brief."}, user("hi"), assistant("a cat"), user("ok"), user("so?"),
                 assistant(""), user("end")]
-    plain = PromptBuilder(tokenizer, serving_template, "alternating", [tokenizer.eos_token]).build(messages)
-    marked = PromptBuilder(tokenizer, MARKED_TEMPLATE, "alternating", [tokenizer.eos_token]).build(messages)
-    assert plain == marked
-    trl = tokenizer.apply_chat_template(messages, chat_template=MARKED_TEMPLATE, add_generation_prompt=True,
+    prompt = PromptBuilder(tokenizer, serving_template, "alternating").build(messages)
+    trl = tokenizer.apply_chat_template(messages, chat_template=serving_template, add_generation_prompt=True,
                                         tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    assert plain.token_ids == list(trl["input_ids"])
-    assert plain.answer_mask() == [bool(m) for m in trl["assistant_masks"]]
-    answers = [tokenizer.decode(plain.token_ids[start:end]) for start, end, is_answer in plain.segments() if is_answer]
-    assert answers == ["a cat</s>", "</s>"] and len(plain.segment_ends) == 5
-    history = PromptBuilder(tokenizer, serving_template, "history", [tokenizer.eos_token]).build(messages)
-    assert (history.token_ids, history.segment_ends) == (plain.token_ids, (len(plain),))
-    # A template whose rendering of a message depends on what follows it hides the answers: refused, with the fix.
-    counting = serving_template.replace("{{ bos_token }}", "{{ bos_token }}{{ messages | length }} messages\n")
-    with pytest.raises(PromptLayoutError, match="generation %"):
-        PromptBuilder(tokenizer, counting, "alternating", [tokenizer.eos_token]).check()
-    PromptBuilder(tokenizer, counting, "history", [tokenizer.eos_token]).check()  # one instruction: no answers to find
+    assert prompt.token_ids == list(trl["input_ids"])
+    assert prompt.answer_mask() == [bool(m) for m in trl["assistant_masks"]]
+    answers = answer_texts(tokenizer, prompt)
+    assert answers == ["a cat</s>", "</s>"] and len(prompt.segment_ends) == 5
+    history = PromptBuilder(tokenizer, serving_template, "history").build(messages)
+    assert (history.token_ids, history.segment_ends) == (prompt.token_ids, (len(prompt),))
 
 
 def test_a_conversation_that_opens_with_an_assistant_message_is_read_as_training_reads_it(
@@ -306,44 +297,39 @@ def test_a_conversation_that_opens_with_an_assistant_message_is_read_as_training
 ):
     """BituneSFTTrainer trains conversations with TRL's assistant mask (`assistant_only_loss=True`, a template with
     `{% generation %}` markers): a leading assistant message is an answer, after the template's first tokens (BOS,
-    the assistant's header), which are its instruction. The miniature's template without markers reads it the same
-    way (it was folded into the first instruction), so both give one answer: greedy decoding with the training forward
-    on that layout."""
-    tokenizer, eos = serving_tokenizer, [serving_tokenizer.eos_token]
+    the assistant's header), which are its instruction. The server gives that layout one answer: greedy decoding with
+    the training forward on it."""
+    tokenizer = serving_tokenizer
     messages = [assistant("Answer: 5"), user("Ask: Who is the youngest?")]
-    plain = PromptBuilder(tokenizer, serving_template, "alternating", eos).build(messages)
-    marked = PromptBuilder(tokenizer, MARKED_TEMPLATE, "alternating", eos).build(messages)
-    trl = tokenizer.apply_chat_template(messages, chat_template=MARKED_TEMPLATE, add_generation_prompt=True,
+    prompt = PromptBuilder(tokenizer, serving_template, "alternating").build(messages)
+    trl = tokenizer.apply_chat_template(messages, chat_template=serving_template, add_generation_prompt=True,
                                         tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    assert plain == marked and plain.answer_mask() == [bool(m) for m in trl["assistant_masks"]]
-    answers = [tokenizer.decode(plain.token_ids[start:end]) for start, end, is_answer in plain.segments() if is_answer]
-    assert answers == ["Answer: 5</s>"] and plain.answer_mask()[0] is False
-    empty = [assistant(""), *messages[1:]]  # an empty leading answer is its EOS token, with markers as without
-    assert PromptBuilder(tokenizer, serving_template, "alternating", eos).build(empty) == PromptBuilder(
-        tokenizer, MARKED_TEMPLATE, "alternating", eos).build(empty)
-    by_forward = greedy_by_the_training_forward(full_prefill.engine.model, plain, MAX_TOKENS, {tokenizer.eos_token_id})
-    marked_engine = FullPrefill(full_prefill.engine.model, tokenizer, MARKED_TEMPLATE)
-    assert full_prefill.result(messages).answer_ids == marked_engine.result(messages).answer_ids == by_forward
+    assert prompt.answer_mask() == [bool(m) for m in trl["assistant_masks"]]
+    answers = answer_texts(tokenizer, prompt)
+    assert answers == ["Answer: 5</s>"] and prompt.answer_mask()[0] is False
+    empty = PromptBuilder(tokenizer, serving_template, "alternating").build([assistant(""), *messages[1:]])
+    answers = answer_texts(tokenizer, empty)
+    assert answers == ["</s>"]  # an empty leading answer is its EOS token
+    by_forward = greedy_by_the_training_forward(full_prefill.engine.model, prompt, MAX_TOKENS,
+                                                {tokenizer.eos_token_id})
+    assert full_prefill.result(messages).answer_ids == by_forward
 
 
 def test_an_assistant_message_with_nothing_before_it_to_read_is_refused(full_prefill, serving_tokenizer):
     """Training refuses a row that starts with an answer token (there is no instruction to read twice before it); a
-    template that writes a leading assistant message first, or without the generation prompt before it, is refused
-    with a 400 that says to start with a system or user message, with and without markers."""
-    tokenizer, eos = serving_tokenizer, [serving_tokenizer.eos_token]
+    template that writes a leading assistant message first is refused with a 400 that says to start with a system or
+    user message."""
+    tokenizer = serving_tokenizer
     bare = ("{% for message in messages %}{% if message['role'] == 'assistant' %}"
-            "{% if not loop.first %}<|assistant|>\n{% endif %}GEN{{ message['content'] }}{{ eos_token }}END{% else %}"
-            "<|{{ message['role'] }}|>\n{{ message['content'] }}{% endif %}\n"
+            "{% if not loop.first %}<|assistant|>\n{% endif %}{% generation %}{{ message['content'] }}{{ eos_token }}"
+            "{% endgeneration %}{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}{% endif %}\n"
             "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
     opening = [assistant("Answer: 5"), user("Ask: Who?")]
-    plain = bare.replace("GEN", "").replace("END", "")
-    marked = bare.replace("GEN", "{% generation %}").replace("END", "{% endgeneration %}")
-    for template in (plain, marked):
-        builder = PromptBuilder(tokenizer, template, "alternating", eos)
-        builder.check()  # a conversation that opens with a user message is laid out
-        with pytest.raises(PromptLayoutError, match="Start the conversation with a system or user message"):
-            builder.build(opening)
-    requests = ChatCompletions(ChatEngine(full_prefill.engine.model, tokenizer, plain, 0), NAME)
+    builder = PromptBuilder(tokenizer, bare, "alternating")
+    builder.check()  # a conversation that opens with a user message is laid out
+    with pytest.raises(PromptLayoutError, match="Start the conversation with a system or user message"):
+        builder.build(opening)
+    requests = ChatCompletions(ChatEngine(full_prefill.engine.model, tokenizer, bare, 0), NAME)
     with pytest.raises(OpenAIError, match="Start the conversation with a system or user message") as refused:
         requests.chat_request({"model": NAME, "messages": opening, "max_tokens": 2})
     assert refused.value.status == 400 and refused.value.param == "messages"

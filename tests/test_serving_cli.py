@@ -85,6 +85,14 @@ def test_a_chat_template_that_does_not_render_is_refused_at_startup(serving_adap
         ["--model", BASE, "--adapter", serving_adapter, "--chat-template", str(failing)])
 
 
+def test_a_chat_template_without_generation_markers_is_refused_at_startup(serving_adapter, serving_template, tmp_path):
+    """TRL cannot train an alternating adapter's conversations on it (`assistant_only_loss`), so it is not served."""
+    unmarked = tmp_path / "unmarked.jinja"
+    unmarked.write_text(serving_template.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    message = refusal(["--model", BASE, "--adapter", serving_adapter, "--chat-template", str(unmarked)])
+    assert "--chat-template" in message and "{% generation %}" in message and "patching is not supported" in message
+
+
 def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
     required = ["--model", BASE, "--adapter", "x"]
     monkeypatch.setenv(cli.API_KEY_VARIABLE, "from-env")

@@ -166,25 +166,6 @@ def test_thousands_of_turns_are_refused_before_any_rendering_as_fast_as_a_small_
     assert long_time < 10 * small_time, (long_time, small_time)
 
 
-def test_the_answers_of_thousands_of_turns_are_found_in_time_linear_in_the_conversation(serving_tokenizer,
-                                                                                         serving_template):
-    """Without `{% generation %}` markers the answers are found from renderings of a few messages at a time, which
-    must tile the whole rendering: 16 times the turns take at most about 16 times as long (rendering up to every
-    answer took 256 times as long), and the layout is the one transformers' assistant mask gives the same template
-    with markers (one rendering, linear)."""
-    from peft_bitune.serving.prompts import PromptBuilder
-    from test_serving import MARKED_TEMPLATE
-
-    eos = [serving_tokenizer.eos_token]
-    plain = PromptBuilder(serving_tokenizer, serving_template, "alternating", eos)
-    marked = PromptBuilder(serving_tokenizer, MARKED_TEMPLATE, "alternating", eos)
-    few, many = many_turns(125), many_turns(2000)
-    assert plain.build(many) == marked.build(many)
-    assert len(plain.build(many).segment_ends) == 2 * 2000 + 1
-    few_time, many_time = best_time(lambda: plain.build(few)), best_time(lambda: plain.build(many), repeats=1)
-    assert many_time < 3 * 16 * few_time, (few_time, many_time)
-
-
 def test_one_requests_preparation_does_not_hold_back_another(server, monkeypatch):
     """A request whose preparation does not end (held here on purpose) leaves the others' preparations running: a
     small request is answered meanwhile (one preparation thread served every client in turn)."""

@@ -17,7 +17,7 @@ from peft_bitune.constants import IGNORE_INDEX  # noqa: E402
 from peft_bitune.serving.app import ChatCompletions  # noqa: E402
 from peft_bitune.serving.engine import ChatEngine  # noqa: E402
 from peft_bitune.serving.prompts import PromptBuilder  # noqa: E402
-from serving_helpers import BASE, NAME, assistant, user  # noqa: E402
+from serving_helpers import BASE, NAME, assistant, load_model, user  # noqa: E402
 from trl_integration import BituneSFTTrainer  # noqa: E402
 
 # Families whose templates TRL patches: Qwen2.5's training template adds markers only (the template alone is read
@@ -86,16 +86,37 @@ def test_serving_finds_the_answers_training_supervised_for_a_template_trl_patche
     assert len(answers) == 2 and all(a.rstrip("\n").endswith("<|im_end|>") for a in answers)
     assert answers[1].lstrip("\n").removeprefix("<think>\n\n</think>\n\n").startswith("Answer: yes, 7")
 
-    overridden = PromptBuilder(family_tokenizer(serving_template), template, "alternating", ["<|im_end|>"])
+    overridden = PromptBuilder(family_tokenizer(serving_template), template, "alternating")
     assert overridden.build(messages) == prompt
 
 
-def test_a_template_trl_does_not_know_is_read_by_rendering(serving_tokenizer, serving_template):
-    """The miniature template has no markers and is none of TRL's: it is rendered as it is (TRL's `SFTTrainer` would
-    refuse `assistant_only_loss` with it), and its answers found by rendering up to each one."""
-    builder = PromptBuilder(serving_tokenizer, serving_template, "alternating", [serving_tokenizer.eos_token])
-    assert builder.training_template is None and builder.chat_template == serving_template
-    assert not builder.has_generation_markers
-    prompt = builder.build([user("hi"), assistant("a cat"), user("ok")])
-    answers = [serving_tokenizer.decode(prompt.token_ids[s:e]) for s, e, is_answer in prompt.segments() if is_answer]
-    assert answers == ["a cat</s>"]
+def test_the_miniature_template_is_laid_out_as_training_supervises_it(tmp_path, serving_tokenizer, serving_template):
+    """The miniature template marks what the assistant writes (its content and the EOS token), so TRL trains
+    conversations on it as it is, and the server's answer segments are exactly the tokens training supervised."""
+    assert trl_templates.has_generation_markers(serving_template)
+    tokenizer = AutoTokenizer.from_pretrained(BASE)
+    tokenizer.chat_template = serving_template
+    token_ids, supervised, model = trained_row(tmp_path, tokenizer)
+    assert any(supervised) and not supervised[0]
+    assert trl_templates.is_chat_template_stop_token_trained(tokenizer)
+    requests = ChatCompletions(ChatEngine(model.eval(), serving_tokenizer, serving_template, 0), NAME)
+    messages = [*CONVERSATION, user("Ask: Who has more hats?")]
+    prompt = requests.chat_request({"model": NAME, "messages": messages, "max_tokens": 2}).prompt
+    assert prompt.token_ids[: len(token_ids)] == token_ids
+    assert prompt.answer_mask() == supervised + [False] * (len(prompt) - len(token_ids))
+
+
+def test_a_template_without_markers_that_trl_cannot_patch_is_refused_for_an_alternating_adapter(
+    serving_adapter, serving_tokenizer, serving_template
+):
+    """TRL's `SFTTrainer` refuses `assistant_only_loss` with such a template, so no alternating adapter was trained on
+    conversations with it: the server refuses it at startup with TRL's reason and the fix. A history adapter reads a
+    conversation as one instruction (as prompt-completion rows train it), which needs no markers."""
+    unmarked = serving_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    assert not trl_templates.has_generation_markers(unmarked)
+    with pytest.raises(ValueError, match="patching is not supported") as refused:
+        ChatEngine(load_model(serving_adapter), serving_tokenizer, unmarked, 0)
+    assert "{% generation %}" in str(refused.value) and "multi_turn" in str(refused.value)
+    history = PromptBuilder(serving_tokenizer, unmarked, "history")
+    history.check()
+    assert history.chat_template == unmarked

@@ -225,14 +225,15 @@ def config_file_problem(adapter: str) -> str | None:
 
 def check_chat_template(tokenizer: Any, chat_template: str | None, multi_turn: str, path: str | None) -> None:
     """Compile and render the template once on a plain conversation (and, for an alternating adapter, find its
-    answers), so that a broken template stops the server now rather than failing every request."""
+    answers by its `{% generation %}` markers or TRL's), so that a template that is broken, or that training could not
+    have used, stops the server now rather than failing every request."""
     from jinja2 import TemplateError
 
     from .prompts import PromptBuilder, PromptLayoutError
 
     where = f"--chat-template {path!r}" if path else "the tokenizer's chat template"
     try:
-        PromptBuilder(tokenizer, chat_template, multi_turn, [tokenizer.eos_token or ""]).check()
+        PromptBuilder(tokenizer, chat_template, multi_turn).check()
     except TemplateError as error:
         line = f" (line {error.lineno})" if getattr(error, "lineno", None) else ""
         raise fail(f"{where} fails on a plain conversation: {type(error).__name__}: {str(error).rstrip('.')}{line}. "

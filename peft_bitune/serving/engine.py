@@ -96,8 +96,9 @@ class ChatEngine:
     """
     A Bitune `PeftModel`, its tokenizer and chat template, the kept conversations, and the one worker thread.
 
-    The chat template is compiled and tried once here, on a plain conversation: a template that fails, or whose
-    answers cannot be found for an alternating adapter, is refused before any request (`ValueError`).
+    The chat template is compiled and tried once here, on a plain conversation: a template that fails, or, for an
+    alternating adapter, one without `{% generation %}` markers that TRL cannot add them to (TRL cannot train such an
+    adapter's conversations on it), is refused before any request (`ValueError`).
 
     Args:
         model (`PeftModel`): the base model with a Bitune adapter, in eval mode.
@@ -128,13 +129,14 @@ class ChatEngine:
         self.tokenizer = tokenizer
         self.tuner = tuner
         self.multi_turn = tuner.peft_config[tuner.active_adapter].multi_turn
-        self.prompts = PromptBuilder(tokenizer, chat_template, self.multi_turn, _eos_texts(model, tokenizer))
         from jinja2 import TemplateError  # chat templates need jinja2 (the `serve` extra)
 
         try:
+            self.prompts = PromptBuilder(tokenizer, chat_template, self.multi_turn)
             self.prompts.check()
         except (TemplateError, PromptLayoutError) as error:
-            raise ValueError(f"The chat template cannot be used: {type(error).__name__}: {error}") from error
+            raise ValueError(f"The chat template cannot be used with this adapter (multi_turn={self.multi_turn!r}): "
+                             f"{type(error).__name__}: {error}") from error
         self.store = ConversationStore(cache_budget_bytes)
         self.max_positions = max_positions(model)
         self.chars_per_token = max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
@@ -353,13 +355,6 @@ def _sampling_settings(request: ChatRequest) -> dict:
     for own in ("max_new_tokens", "stop_strings"):
         settings.pop(own, None)
     return settings
-
-
-def _eos_texts(model: Any, tokenizer: Any) -> list[str]:
-    """The texts of the end-of-sequence tokens (the tokenizer's and the generation config's), which end an answer."""
-    texts = [tokenizer.eos_token] if tokenizer.eos_token else []
-    texts += [tokenizer.decode([token_id]) for token_id in sorted(_eos_ids(model.generation_config))]
-    return list(dict.fromkeys(text for text in texts if text))
 
 
 def _eos_ids(generation_config: Any) -> set[int]:
