@@ -533,6 +533,21 @@ def test_bitune_eval_adds_the_paper_tasks_unless_told_otherwise():
         assert with_paper_tasks(help_only) == help_only
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_bitune_eval_help_without_the_harness_prints_the_help_then_the_install_hint(flag, monkeypatch, capsys):
+    """Without the `eval` extra, `bitune-eval --help` exited 1 with the install hint alone; now it prints what the
+    command does and its own option, then the hint (and exits 0: the help was asked for and given)."""
+    monkeypatch.setitem(sys.modules, "lm_eval.__main__", None)  # as if lm-eval were not installed
+    with pytest.raises(SystemExit) as error:
+        bitune_eval([flag])
+    assert error.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith("usage: bitune-eval") and "--data_source" in out and "--model bitune" in out
+    assert out.index("--data_source") < out.index("pip install 'peft-bitune[eval]'")
+    with pytest.raises(SystemExit, match=r"pip install 'peft-bitune\[eval\]'") as error:  # a run still needs it
+        bitune_eval(["--model", "bitune", "--tasks", "bitune_piqa"])
+
+
 @pytest.mark.slow  # the harness's command line indexes all of its ~15k built-in tasks first
 def test_bitune_eval_command_line(saved_models, load_base, tokenizer, tokenizer_path, mc_task_dir, tmp_path):
     model = make_bitune(load_base("llama")).eval()

