@@ -209,6 +209,42 @@ def test_cli_parser_offers_trl_and_bitune_flags():
     assert " ".join(help_text.split()).count("`trl sft` uses") == 4
 
 
+def help_section(help_text: str, title: str) -> str:
+    """The lines of `--help`'s section `title` (up to the next section)."""
+    start = help_text.index(f"\n{title}:\n") + len(title) + 3
+    end = help_text.find("\n\n", start)
+    return help_text[start:] if end < 0 else help_text[start:end]
+
+
+def test_help_starts_with_what_it_does_and_bitunes_options_and_marks_the_refused_ones():
+    """`bitune-sft --help` was 921 lines with no description, Bitune's options last, and `--packing` offered without
+    saying it is refused: now a short usage, a description, Bitune's options, the refused options marked, then TRL's
+    and transformers' options as in `trl sft`."""
+    help_text = make_parser().format_help()
+    lines = help_text.splitlines()
+    assert lines[0].startswith("usage: bitune-sft --model_name_or_path") and len(help_text.split("\n\n")[0]) < 300
+    assert "Bitune adapter" in lines[2]  # the description, right after the usage
+    titles = [line[:-1] for line in lines if line and not line.startswith(" ") and line.endswith(":")]
+    assert titles == ["example", "Bitune options", "Options bitune-sft refuses",
+                      "TRL's and transformers' options (as `trl sft`)"], titles
+    bitune = help_section(help_text, "Bitune options")
+    for flag in ("--mix_init", "--mixed_layers", "--multi_turn", "--shared_weights", "--lora_r", "--lora_alpha",
+                 "--lora_target_modules", "--mixing_lr_ratio", "--bidirectional_lr_ratio", "--mixing_warmup_steps",
+                 "--mixing_logging_steps"):
+        assert flag in bitune, flag
+    refused = help_section(help_text, "Options bitune-sft refuses")
+    for flag in ("--packing", "--padding_free", "--eval_packing"):
+        assert flag in refused and help_text.count(f"  {flag} ") == 1, flag
+    assert " ".join(refused.split()).count("Refused:") == 3
+    assert "  --learning_rate " in help_section(help_text, "TRL's and transformers' options (as `trl sft`)")
+
+
+@pytest.mark.parametrize("flag", ["--packing", "--padding_free", "--eval_packing"])
+def test_the_options_the_help_marks_refused_are_refused(tmp_path, flag):
+    with pytest.raises(SystemExit, match=rf"bitune-sft: `{flag[2:]}=True` is not supported by Bitune"):
+        cli_train(["--output_dir", str(tmp_path), "--use_cpu", "--model_name_or_path", "unused", flag, "true"])
+
+
 @pytest.mark.parametrize("flags", [
     ["--learning_rate", "nan"], ["--num_train_epochs", "inf"], ["--max_grad_norm", "1e999"], ["--mix_init", "nan"],
     ["--seed", str(2**64)], ["--lora_r", str(2**70)],

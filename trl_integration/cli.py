@@ -35,7 +35,7 @@ from typing import Any
 
 from peft import PeftConfig
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
 # TRL's own split of `trl <command>`'s arguments into the launcher's and the script's (private; `trl<2` is pinned).
 from trl.cli.commands.training import _subtract_subsequence
@@ -43,7 +43,7 @@ from trl.cli.commands.training import _subtract_subsequence
 from peft_bitune import BituneConfig
 from peft_bitune.utils.command_line_numbers import number_problem
 
-from .config import BituneSFTConfig
+from .config import REFUSED_OPTIONS, BituneSFTConfig
 
 # What `bitune-sft` hands to `accelerate launch --module`: this module, whose `__main__` block trains.
 TRAINING_MODULE = "trl_integration.cli"
@@ -107,9 +107,67 @@ class BituneModelConfig(ModelConfig):
             )
 
 
+USAGE = "bitune-sft --model_name_or_path MODEL --dataset_name DATA --output_dir DIR [OPTIONS] [LAUNCHER OPTIONS]"
+DESCRIPTION = """\
+Train a Bitune adapter with TRL's SFTTrainer, as `trl sft` does: the same arguments (and `--config file.yaml`),
+launched through `accelerate launch` (its options, e.g. `--num_processes 8` or `--accelerate_config fsdp2`, go to the
+launcher). Bitune's options come first, then the options Bitune refuses, then TRL's and transformers' options, as in
+`trl sft --help`. Numbers that cannot work are refused in one line before anything loads.
+
+example:
+  bitune-sft --model_name_or_path Qwen/Qwen2-0.5B --dataset_name trl-lib/tldr --output_dir Qwen2-0.5B-Bitune \\
+      --learning_rate 3e-4 --mix_init 0.01
+"""
+BITUNE_SECTION = "Bitune options"
+REFUSED_SECTION = "Options bitune-sft refuses"
+OTHER_SECTION = "TRL's and transformers' options (as `trl sft`)"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each option's default (as `trl sft` shows them), and the description's lines as written."""
+
+
+class BituneSFTParser(TrlParser):
+    """TRL's parser of `trl sft`'s arguments and Bitune's, whose help starts with what `bitune-sft` does and Bitune's
+    options, and marks the options Bitune refuses (with why) before TRL's and transformers' several hundred."""
+
+    def __init__(self, prog: str | None = "bitune-sft") -> None:
+        dataclass_types = (ScriptArguments, BituneSFTConfig, BituneModelConfig, DatasetMixtureConfig, BituneArguments)
+        super().__init__(dataclass_types, prog=prog, usage=USAGE, description=DESCRIPTION,
+                         formatter_class=_HelpFormatter)
+        for action in self._actions:
+            if action.dest in REFUSED_OPTIONS:
+                action.help = f"Refused: {REFUSED_OPTIONS[action.dest]}."
+
+    def format_help(self) -> str:
+        """argparse's help (usage, description, sections of options), with the options in the sections above."""
+        formatter = self._get_formatter()
+        formatter.add_usage(self.usage, self._actions, self._mutually_exclusive_groups)
+        formatter.add_text(self.description)
+        for title, actions in self.help_sections().items():
+            formatter.start_section(title)
+            formatter.add_arguments(actions)
+            formatter.end_section()
+        return formatter.format_help()
+
+    def help_sections(self) -> dict[str, list[argparse.Action]]:
+        """Bitune's options (its adapter settings, the LoRA flags with Bitune's defaults, its training settings), the
+        refused ones, and all the others, each in the parser's order."""
+        trl_fields = {f.name for f in dataclasses.fields(SFTConfig)}
+        bitune = [
+            *(f.name for f in dataclasses.fields(BituneArguments)),
+            "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",  # Bitune's defaults, not `trl sft`'s
+            *(f.name for f in dataclasses.fields(BituneSFTConfig) if f.name not in trl_fields),
+        ]
+        return {
+            BITUNE_SECTION: sorted((a for a in self._actions if a.dest in bitune), key=lambda a: bitune.index(a.dest)),
+            REFUSED_SECTION: [action for action in self._actions if action.dest in REFUSED_OPTIONS],
+            OTHER_SECTION: [action for action in self._actions if action.dest not in {*bitune, *REFUSED_OPTIONS}],
+        }
+
+
 def make_parser(prog: str | None = "bitune-sft") -> TrlParser:
-    dataclass_types = (ScriptArguments, BituneSFTConfig, BituneModelConfig, DatasetMixtureConfig, BituneArguments)
-    return TrlParser(dataclass_types, prog=prog)
+    return BituneSFTParser(prog)
 
 
 def build_peft_config(model_args: ModelConfig, bitune_args: BituneArguments) -> BituneConfig:

@@ -131,13 +131,20 @@ def check_recipe_options(args: Any) -> None:
     check_warmup_steps(args.mixing_warmup_steps, args.max_steps)
 
 
+_PACKED_ROWS = (
+    "packing and padding-free training put several instruction/answer pairs in one row, and the Bitune forward reads "
+    "one instruction per row (it finds it from the labels)"
+)
+# The `SFTConfig` options Bitune refuses when set, and why: told in the error, and in `bitune-sft --help`.
+REFUSED_OPTIONS = {"packing": _PACKED_ROWS, "padding_free": _PACKED_ROWS, "eval_packing": _PACKED_ROWS}
+
+
 def refuse_packing(args: Any) -> None:
     """Refuse packing and padding-free batches (checked when the config is made, and again by the trainer, since the
     flags can be set afterwards)."""
-    for name in ("packing", "padding_free", "eval_packing"):
+    for name, reason in REFUSED_OPTIONS.items():
         if getattr(args, name, False):
             raise ValueError(
-                f"`{name}=True` is not supported by Bitune: packing and padding-free training put several "
-                "instruction/answer pairs in one row, and the Bitune forward reads one instruction per row (it "
-                f"finds it from the labels). Set `{name}=False`; batches are padded per batch instead."
+                f"`{name}=True` is not supported by Bitune: {reason}. Set `{name}=False`; batches are padded per "
+                "batch instead."
             )
