@@ -11,7 +11,7 @@ import datasets
 import pytest
 import torch
 from datasets import Dataset
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 from trl import DPOConfig, DPOTrainer, GRPOConfig, KTOConfig, RLOOConfig
 from trl.trainer.utils import use_adapter
@@ -238,3 +238,97 @@ def test_refuses_an_empty_prompt_naming_the_row(tmp_path, trl_model_dir):
     with pytest.raises(ValueError, match=r"Rows \[4\] of train_dataset have an empty prompt once tokenised"):
         BituneDPOTrainer(model=trl_model_dir, args=dpo_args(tmp_path), train_dataset=Dataset.from_list(rows),
                          processing_class=tokenizer, peft_config=random_bitune_config())
+
+
+# ---------------------------------------------------------------------- the reference of an adapter not "default"
+def other_config(setting: str) -> BituneConfig:
+    """A config that differs from `random_bitune_config()` in one setting that changes the log-probabilities."""
+    lora = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    if setting == "mix_scale":
+        return BituneConfig(adapter_config=LoraConfig(**lora), mix_scale=0.5)
+    lora[setting] = {"lora_alpha": 64, "r": 8}[setting]
+    return BituneConfig(adapter_config=LoraConfig(**lora))
+
+
+def adapter_other_than_default(model_dir: str, setting: str):
+    """The SFT adapter `default` and an active adapter `other` whose config differs in `setting`, both trained."""
+    model = trained_adapter(model_dir)
+    model.add_adapter("other", other_config(setting))
+    model.set_adapter("other")
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "other" in name:
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+@pytest.mark.parametrize("setting", ["lora_alpha", "r", "mix_scale"])
+def test_dpo_reference_takes_the_config_of_the_trained_adapter(tmp_path, trl_model_dir, setting):
+    """TRL adds "ref" from `peft_config["default"]`: the reference must be built from the active adapter's config."""
+    model = adapter_other_than_default(trl_model_dir, setting)
+    trainer = BituneDPOTrainer(model=model, args=dpo_args(tmp_path, max_steps=1), train_dataset=preference_rows(),
+                               processing_class=helpers.build_tokenizer())
+    reference, policy = model.peft_config[REFERENCE_ADAPTER], model.peft_config["other"]
+    assert reference.mix_scale == policy.mix_scale
+    assert reference.adapter_config.r == policy.adapter_config.r
+    assert reference.adapter_config.lora_alpha == policy.adapter_config.lora_alpha
+    trainer.train()
+    assert logged(trainer, "loss")[0] == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_grpo_kl_is_zero_for_an_adapter_not_named_default(tmp_path, trl_model_dir):
+    prompts = Dataset.from_list([{"prompt": f"{q} answer :"} for q, _ in helpers.arithmetic_rows(8)])
+    args = GRPOConfig(output_dir=str(tmp_path), num_generations=2, max_completion_length=4, beta=0.05,
+                      **{**COMMON, "max_steps": 1})
+    trainer = BituneGRPOTrainer(model=adapter_other_than_default(trl_model_dir, "lora_alpha"),
+                                reward_funcs=completion_length_reward, args=args, train_dataset=prompts,
+                                processing_class=helpers.build_tokenizer())
+    trainer.train()
+    assert logged(trainer, "kl")[0] == 0.0
+
+
+# ---------------------------------------------------------------------- what TRL would fail on, refused by name
+def saved_adapter(tmp_path, model_dir: str) -> str:
+    path = str(tmp_path / "adapter")
+    trained_adapter(model_dir).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("trainer_class", [BituneDPOTrainer, BituneGRPOTrainer])
+def test_refuses_a_frozen_adapter_naming_is_trainable(tmp_path, trl_model_dir, trainer_class):
+    """A loaded adapter is frozen unless `is_trainable=True`: it would train to nothing, without a word."""
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trl_model_dir),
+                                      saved_adapter(tmp_path, trl_model_dir))
+    extra = {}
+    if trainer_class is BituneGRPOTrainer:
+        args, extra["reward_funcs"] = GRPOConfig(output_dir=str(tmp_path), num_generations=2, beta=0.05,
+                                                 **COMMON), completion_length_reward
+    else:
+        args = dpo_args(tmp_path)
+    with pytest.raises(ValueError, match=r"adapter `default` of `model` has no trainable weights.*is_trainable=True"):
+        trainer_class(model=model, args=args, train_dataset=preference_rows(), **extra)
+
+
+def test_refuses_a_bitune_ref_model(tmp_path, trl_model_dir):
+    with pytest.raises(ValueError, match=r"`ref_model` cannot be a Bitune adapter.*Leave `ref_model=None`"):
+        BituneDPOTrainer(model=trained_adapter(trl_model_dir), ref_model=trained_adapter(trl_model_dir),
+                         args=dpo_args(tmp_path), train_dataset=preference_rows(),
+                         processing_class=helpers.build_tokenizer())
+
+
+def test_refuses_an_adapter_not_named_default(tmp_path, trl_model_dir):
+    """TRL reads `peft_config["default"]` for its reference and would fail on a raw `KeyError: 'default'`."""
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trl_model_dir),
+                                      saved_adapter(tmp_path, trl_model_dir), adapter_name="sft", is_trainable=True)
+    with pytest.raises(ValueError, match=r"adapter is named `sft`.*named `default`.*without `adapter_name`"):
+        BituneDPOTrainer(model=model, args=dpo_args(tmp_path), train_dataset=preference_rows(),
+                         processing_class=helpers.build_tokenizer())
+
+
+def test_refuses_a_max_length_that_drops_every_row(tmp_path, trl_model_dir):
+    """TRL drops rows whose prompt fills `max_length`; with none left, torch would fail on "num_samples=0"."""
+    with pytest.raises(ValueError, match=r"Every row of `train_dataset` \(16\) was dropped.*`max_length=3`"):
+        BituneDPOTrainer(model=trl_model_dir, args=dpo_args(tmp_path, max_length=3),
+                         train_dataset=preference_rows(), processing_class=helpers.build_tokenizer(),
+                         peft_config=random_bitune_config())

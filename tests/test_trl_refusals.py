@@ -7,7 +7,7 @@ import types
 
 import datasets
 import pytest
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import trl_helpers as helpers
@@ -46,6 +46,22 @@ def test_refuses_a_peft_model_with_another_adapter(tmp_path, trl_model_dir):
     with pytest.raises(ValueError, match="LoraConfig adapter; BituneSFTTrainer trains Bitune adapters"):
         BituneSFTTrainer(
             model=lora_model,
+            args=helpers.training_args(tmp_path),
+            train_dataset=datasets.Dataset.from_list(helpers.prompt_completion_rows(4)),
+            processing_class=helpers.build_tokenizer(),
+        )
+
+
+def test_refuses_a_frozen_adapter_naming_is_trainable(tmp_path, trl_model_dir):
+    """A loaded adapter is frozen unless `is_trainable=True`; training it failed in torch's backward instead."""
+    get_peft_model(AutoModelForCausalLM.from_pretrained(trl_model_dir), helpers.small_bitune_config()).save_pretrained(
+        tmp_path / "adapter"
+    )
+    frozen = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trl_model_dir), tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"`default` of `model` has no trainable weights, so BituneSFTTrainer.*"
+                                         r"is_trainable=True"):
+        BituneSFTTrainer(
+            model=frozen,
             args=helpers.training_args(tmp_path),
             train_dataset=datasets.Dataset.from_list(helpers.prompt_completion_rows(4)),
             processing_class=helpers.build_tokenizer(),

@@ -26,7 +26,7 @@ from transformers.trainer import OPTIMIZER_NAME
 from trl.data_utils import is_conversational, is_conversational_from_value
 
 from peft_bitune import BituneConfig, BituneModel, compat
-from peft_bitune.constants import IGNORE_INDEX
+from peft_bitune.constants import IGNORE_INDEX, MIXERS_ATTRIBUTE, WEIGHT_SETS, inner_adapter_name
 from peft_bitune.utils.messages import format_rows
 
 from .config import BituneSFTConfig, refuse_packing
@@ -67,6 +67,7 @@ def bitune_peft_config(
                 f"{trainer} trains Bitune adapters. Pass the base model (and optionally a `BituneConfig`), or "
                 f"use `{plain}` for other PEFT methods."
             )
+        check_adapter_trains(model, trainer)
         return peft_config  # the TRL trainer refuses a second config on a PeftModel with its own message
     if peft_config is None:
         return BituneConfig()
@@ -77,6 +78,22 @@ def bitune_peft_config(
             f"use `{plain}`."
         )
     return peft_config
+
+
+def check_adapter_trains(model: PeftModel, trainer: str) -> None:
+    """Refuse a Bitune `PeftModel` whose active adapter has no trainable weight: it would train to nothing, silently
+    (a loaded adapter is frozen unless loaded with `is_trainable=True`)."""
+    adapter = model.active_adapter
+    own = [f".{inner_adapter_name(adapter, weight_set)}." for weight_set in WEIGHT_SETS]
+    own.append(f".{MIXERS_ATTRIBUTE}.{adapter}.")
+    # A name ends with the inner adapter's name where the weight is a tensor of a `ParameterDict` (IA3's vectors).
+    weights = [parameter for name, parameter in model.named_parameters() if any(part in f"{name}." for part in own)]
+    if not any(parameter.requires_grad for parameter in weights):
+        raise ValueError(
+            f"The Bitune adapter `{adapter}` of `model` has no trainable weights, so {trainer} would train nothing: "
+            "an adapter loaded with `PeftModel.from_pretrained` is frozen unless loaded with `is_trainable=True`. "
+            "Load it with `PeftModel.from_pretrained(base, path, is_trainable=True)` to train it further."
+        )
 
 
 # The `loss_type`s that TRL's `SFTTrainer.compute_loss` computes. TRL checks the value only when the trainer is made,
@@ -186,20 +203,23 @@ def check_dataset_format(
     )
 
 
-def check_rows_kept(rows_given: dict[str, int], prepared: dict[str, Any], args: BituneSFTConfig) -> None:
+def check_rows_kept(
+    rows_given: dict[str, int], prepared: dict[str, Any], args: TrainingArguments, cause: str | None = None
+) -> None:
     """
     TRL drops the rows that truncation to `max_length` leaves without a supervised token (the answer was cut off):
     refuse a dataset that lost every row (training would fail later with "num_samples=0"), and warn about the rows
-    lost from one that kept some.
+    lost from one that kept some. `cause` says why the trainer drops rows (SFT's reason by default).
     """
-    for name, given in rows_given.items():
-        dataset = prepared.get(name)
-        if not isinstance(dataset, Dataset) or len(dataset) == given:
-            continue
+    if cause is None:
         cause = (
             f"truncating to `max_length={args.max_length}` tokens left them no supervised (answer) token, and TRL "
             "drops such rows"
         )
+    for name, given in rows_given.items():
+        dataset = prepared.get(name)
+        if not isinstance(dataset, Dataset) or len(dataset) == given:
+            continue
         if len(dataset) == 0:
             raise ValueError(
                 f"Every row of `{name}` ({given}) was dropped while TRL prepared it: {cause}. Raise `max_length` "

@@ -10,12 +10,15 @@ adapter. They would train it against the wrong reference, without a word:
 - given a fresh adapter (`peft_config`), the reference is the model with its adapters disabled: for LoRA that is the
   starting policy (B = 0), for Bitune it is not (the bidirectional read of the base weights is mixed in at alpha_0).
 
-Each subclass therefore makes the "ref" adapter an exact copy of the policy's adapter (every tensor, with its dtype;
-checked against the adapters' state dicts) before the first reference log-probability is computed; TRL's own code
-then uses it for every reference forward (`trl.trainer.utils.use_adapter`), frozen. Everything else is TRL's.
+Each subclass therefore makes the "ref" adapter an exact copy of the policy's adapter (its config, and every tensor
+with its dtype; checked against the adapters' configs and state dicts: TRL adds "ref" from the config of the adapter
+named "default", which another active adapter need not share) before the first reference log-probability is
+computed; TRL's own code then uses it for every reference forward (`trl.trainer.utils.use_adapter`), frozen.
+Everything else is TRL's.
 Subclasses rather than TRL's classes unchanged, because nothing else can act between TRL making the adapter and TRL
 using the reference. They also refuse, before any work, the options a Bitune adapter cannot run, naming the option and
-why.
+why, and what TRL would fail on without saying why (a Bitune `ref_model`, an adapter not named "default", a frozen
+adapter, a dataset whose every row is dropped).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from peft_bitune.constants import WEIGHT_SETS, inner_adapter_name
 from peft_bitune.tuner.find_tuner import find_bitune_tuner
 from peft_bitune.utils.messages import format_rows
 
-from .checks import bitune_peft_config, named_eval_datasets
+from .checks import bitune_peft_config, check_rows_kept, named_eval_datasets
 from .model_cards import BituneModelCardMixin
 from .trainer import keep_mixing_scalars_in_float32
 
@@ -84,11 +87,22 @@ class BituneReferenceMixin(BituneModelCardMixin):
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         arguments = bound.arguments
         model = arguments["model"]
-        arguments["peft_config"] = bitune_peft_config(model, arguments.get("peft_config"), type(self).__name__)
+        trainer = type(self).__name__
+        arguments["peft_config"] = bitune_peft_config(model, arguments.get("peft_config"), trainer)
         _refuse_what_bitune_cannot_run(arguments)
+        _refuse_a_bitune_ref_model(arguments.get("ref_model"), trainer)
+        if arguments.get("ref_model") is None and self._reference_asked(arguments.get("args")):
+            _check_adapter_name(model, trainer)
+        given = {"train_dataset": arguments.get("train_dataset"), **named_eval_datasets(arguments.get("eval_dataset"))}
+        rows_given = {name: len(dataset) for name, dataset in given.items() if isinstance(dataset, Dataset)}
         self._bitune_reference_ready = False
         super().__init__(*bound.args, **bound.kwargs)
         datasets = {"train_dataset": self.train_dataset, **named_eval_datasets(self.eval_dataset)}
+        # DPO and KTO drop the rows whose prompt leaves no room for an answer; GRPO and RLOO have no `max_length`.
+        if getattr(self.args, "max_length", None) is not None:
+            cause = (f"each one's prompt alone fills `max_length={self.args.max_length}` tokens, which leaves no room "
+                     "for its answer, and TRL drops such rows")
+            check_rows_kept(rows_given, datasets, self.args, cause)
         for name, dataset in datasets.items():
             _check_no_empty_segments(dataset, name)
         keep_mixing_scalars_in_float32(self.model)  # TRL casts a quantized model's trainable parameters to bf16
@@ -96,6 +110,11 @@ class BituneReferenceMixin(BituneModelCardMixin):
 
     def _uses_reference(self) -> bool:
         """Whether the trainer computes reference log-probabilities at all (GRPO and RLOO only when `beta` != 0)."""
+        return True
+
+    @staticmethod
+    def _reference_asked(args: Any) -> bool:
+        """`_uses_reference` before the trainer is made, from its config (`None`: TRL's default one)."""
         return True
 
     def _prepare_reference(self) -> None:
@@ -117,6 +136,10 @@ def copy_policy_to_reference(model: PeftModel) -> None:
     """
     bitune = find_bitune_tuner(model)
     policy = model.active_adapter
+    if REFERENCE_ADAPTER in model.peft_config and _differing_settings(model, policy, REFERENCE_ADAPTER):
+        # TRL adds "ref" from the config of the adapter named "default", which is not the policy's when another
+        # adapter is active: its scaling, rank and mixing settings would stay default's whatever tensors it holds.
+        model.delete_adapter(REFERENCE_ADAPTER)
     if REFERENCE_ADAPTER not in model.peft_config:
         config = copy.deepcopy(model.peft_config[policy])
         config.inference_mode = True
@@ -128,11 +151,27 @@ def copy_policy_to_reference(model: PeftModel) -> None:
     policy_state = get_peft_model_state_dict(model, adapter_name=policy)
     reference_state = get_peft_model_state_dict(model, adapter_name=REFERENCE_ADAPTER)
     differing = sorted(key for key in policy_state if not _identical(policy_state[key], reference_state.get(key)))
-    if differing or policy_state.keys() != reference_state.keys():
+    settings = _differing_settings(model, policy, REFERENCE_ADAPTER)
+    if differing or policy_state.keys() != reference_state.keys() or settings:
         raise RuntimeError(
-            f"The reference adapter is not an exact copy of `{policy}` (first differing weights: {differing[:3]}); "
-            "please report this with the PEFT method of the adapter."
+            f"The reference adapter is not an exact copy of `{policy}` (first differing weights: {differing[:3]}; "
+            f"differing settings: {settings}); please report this with the PEFT method of the adapter."
         )
+
+
+def _settings(model: PeftModel, adapter_name: str) -> dict[str, Any]:
+    """An adapter's config as a dict, without `inference_mode` (the reference is frozen, the policy trains)."""
+    settings = model.peft_config[adapter_name].to_dict()
+    settings.pop("inference_mode", None)
+    if isinstance(settings.get("adapter_config"), dict):
+        settings["adapter_config"] = {k: v for k, v in settings["adapter_config"].items() if k != "inference_mode"}
+    return settings
+
+
+def _differing_settings(model: PeftModel, first: str, second: str) -> list[str]:
+    """The config fields (`adapter_config` as one) on which two adapters differ."""
+    one, other = _settings(model, first), _settings(model, second)
+    return sorted(key for key in one.keys() | other.keys() if one.get(key) != other.get(key))
 
 
 def _adapter_tensor_pairs(bitune: Any, source: str, target: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -183,6 +222,29 @@ def _check_no_empty_segments(dataset: Any, name: str) -> None:
                 )
 
 
+def _refuse_a_bitune_ref_model(ref_model: Any, trainer: str) -> None:
+    """Refuse a Bitune `PeftModel` as `ref_model`: TRL gives a reference model its fused LM head, whose forward calls
+    the model without the labels that hold each row's instruction/answer boundary (a Bitune forward needs them)."""
+    if isinstance(ref_model, PeftModel) and find_bitune_tuner(ref_model) is not None:
+        raise ValueError(
+            f"`ref_model` cannot be a Bitune adapter: TRL wraps a reference model in its fused LM head, which calls "
+            f"it without the labels a Bitune forward reads each row's instruction from. Leave `ref_model=None`: "
+            f"{trainer} then makes the reference an exact, frozen copy of the policy's adapter as training starts."
+        )
+
+
+def _check_adapter_name(model: Any, trainer: str) -> None:
+    """Refuse a Bitune `PeftModel` without an adapter named "default": TRL's trainers add their reference adapter from
+    `peft_config["default"]`, and fail on a raw `KeyError` without one."""
+    if isinstance(model, PeftModel) and "default" not in model.peft_config:
+        raise ValueError(
+            f"The model's Bitune adapter is named `{model.active_adapter}` (adapters: {sorted(model.peft_config)}), "
+            f"but the TRL trainer under {trainer} adds its reference adapter from the one named `default`, which "
+            "this model lacks. Load the adapter under that name: `PeftModel.from_pretrained(base, path, "
+            "is_trainable=True)` without `adapter_name`."
+        )
+
+
 def _refuse_what_bitune_cannot_run(arguments: dict[str, Any]) -> None:
     """Refuse, by name and before any work, the options and arguments a Bitune adapter cannot run."""
     args = arguments.get("args")
@@ -208,6 +270,10 @@ class _KLPenaltyMixin(BituneReferenceMixin):
 
     def _uses_reference(self) -> bool:
         return self.beta != 0.0
+
+    @staticmethod
+    def _reference_asked(args: Any) -> bool:
+        return getattr(args, "beta", 0.0) != 0.0  # TRL's default configs have `beta=0.0`
 
 
 class BituneDPOTrainer(_PrecomputedReferenceMixin, DPOTrainer):
