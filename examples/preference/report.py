@@ -87,9 +87,9 @@ def accuracy(record: dict) -> dict[str, float]:
     return values
 
 
-def paper_tasks_agreement(name: str, before: dict, runs: Path = PAPER_RUNS) -> int | None:
-    """How many test rows' outcomes of the SFT adapter differ from those of the paper-tasks page's own run of the same
-    adapter (same fingerprints, method, rate and seed), when that page has its test record; None otherwise."""
+def paper_tasks_rows(name: str, before: dict, runs: Path = PAPER_RUNS) -> dict[str, str] | None:
+    """The test rows' outcomes of the paper-tasks page's own run of the SFT adapter (same fingerprints, method, rate
+    and seed), when that page has its test record of the same rows; None otherwise."""
     suffix = f"-sft-test{before['fingerprints']['scoring']}.json"
     if before["smoke"] or not name.endswith(suffix):
         return None
@@ -99,7 +99,29 @@ def paper_tasks_agreement(name: str, before: dict, runs: Path = PAPER_RUNS) -> i
     page = json.loads(path.read_text())["rows"]
     if {task: len(rows) for task, rows in page.items()} != {task: len(rows) for task, rows in before["rows"].items()}:
         return None
+    return page
+
+
+def paper_tasks_agreement(name: str, before: dict, runs: Path = PAPER_RUNS) -> int | None:
+    """How many test rows' outcomes of the SFT adapter differ from those of the paper-tasks page's own run of the same
+    adapter, when that page has its test record; None otherwise."""
+    page = paper_tasks_rows(name, before, runs)
+    if page is None:
+        return None
     return sum(a != b for task, rows in before["rows"].items() for a, b in zip(rows, page[task]))
+
+
+def gain_difference(report: dict) -> dict | None:
+    """Bitune's after − before minus LoRA's, per task and on average, with paired 95% intervals over the test rows
+    both methods share (each row's change for Bitune against its change for LoRA); None until both are tested."""
+    entries = [report["methods"].get(method, {}) for method in METHODS]
+    if not all("before" in entry and "after" in entry for entry in entries):
+        return None
+    gains = []
+    for entry in entries:
+        after, before = outcomes({"rows": entry["after"]["rows"]}), outcomes({"rows": entry["before"]["rows"]})
+        gains.append({task: after[task] - before[task] for task in before})
+    return paper_report.paired_bootstrap(*gains)
 
 
 def build(directory: Path) -> dict:
@@ -132,9 +154,14 @@ def build(directory: Path) -> dict:
                 entry[stage] = {"accuracy": accuracy(stages[stage]), "rows": stages[stage]["rows"],
                                 "test_seconds": stages[stage]["test_seconds"]}
         if "before" in stages:
-            agreement = paper_tasks_agreement(found[method]["before"][0], stages["before"])
-            if agreement is not None:
-                entry["before"]["paper_tasks_rows_differing"] = agreement
+            page = paper_tasks_rows(found[method]["before"][0], stages["before"])
+            if page is not None:
+                entry["before"]["paper_tasks_rows_differing"] = paper_tasks_agreement(found[method]["before"][0],
+                                                                                      stages["before"])
+                # The retrained SFT adapter against the page's run of it: how far retraining moved the start.
+                entry["before"]["paper_tasks_accuracy"] = accuracy({"rows": page})
+                entry["before"]["minus_paper_tasks"] = paper_report.paired_bootstrap(
+                    outcomes(stages["before"]), outcomes({"rows": page}))
         if "before" in stages and "after" in stages:
             if {t: len(r) for t, r in stages["before"]["rows"].items()} != {
                     t: len(r) for t, r in stages["after"]["rows"].items()}:
@@ -146,6 +173,8 @@ def build(directory: Path) -> dict:
               if stage in entry]
     if tested:
         report["n_test"] = {task: len(rows) for task, rows in tested[0].items()}
+    if (difference := gain_difference(report)) is not None:
+        report["bitune_gain_minus_lora_gain"] = difference
     return report
 
 
@@ -155,6 +184,11 @@ def _percent(value: float) -> str:
 
 def _signed(value: float) -> str:
     return f"{100 * value:+.1f}"
+
+
+def _interval(difference: dict) -> str:
+    low, high = difference["ci95"]
+    return f"{_signed(difference['mean'])} [{_signed(low)}, {_signed(high)}]"
 
 
 def markdown(report: dict) -> str:
@@ -219,6 +253,21 @@ def markdown(report: dict) -> str:
         lines.append("Against the paper-tasks page's own test record of the same SFT run: " + "; ".join(
             f"{TITLES[m]} {n} of {sum(report['n_test'].values())} test rows differ" for m, n in agreement.items())
             + ".")
+        lines.append("")
+    if "bitune_gain_minus_lora_gain" in report:
+        difference = report["bitune_gain_minus_lora_gain"]
+        lines.append("Bitune's after − before minus LoRA's, paired over the same test rows [95% interval]: "
+                     + "; ".join(f"{TASK_TITLES[task]} {_interval(difference[task])}"
+                                 for task in [*report["n_test"], "average"]) + ".")
+        lines.append("")
+    moved = {method: entry["before"] for method, entry in report["methods"].items()
+             if "minus_paper_tasks" in entry.get("before", {})}
+    if moved:
+        lines.append("The SFT adapter DPO starts from, retrained here, against the paper-tasks page's run of it (test "
+                     "average, paired 95% interval): " + "; ".join(
+                         f"{TITLES[m]} {_percent(before['paper_tasks_accuracy']['average'])} there, "
+                         f"{_percent(before['accuracy']['average'])} here, "
+                         f"{_interval(before['minus_paper_tasks']['average'])}" for m, before in moved.items()) + ".")
         lines.append("")
     sft = {method: entry["sft"] for method, entry in report["methods"].items() if "sft" in entry}
     if sft:
