@@ -265,3 +265,40 @@ def test_a_conversation_laid_out_turn_by_turn_with_prefill_continues_like_the_ch
     assert torch.equal(output.sequences[0, conversation.shape[1] :], history[-1][1])
     with pytest.raises(ValueError, match="does not continue the conversation"):
         model.base_model.prefill(torch.cat([conversation + 1, conversation], dim=1), cache=cache)
+
+
+def test_a_history_adapter_refuses_a_cache_that_would_read_a_new_turn(load_base):
+    """A `multi_turn="history"` adapter reads the whole conversation before each answer as one instruction; a cache
+    would read the new turn the alternating way. A cache that holds all of the input but its last token (a fresh
+    `prefill`, a retry of the same prompt, as the server passes) reads nothing new and is kept."""
+    model = make_bitune(load_base("llama"), multi_turn="history").eval()
+    first = random_rows([4], seed=1)[0][None]
+    out = model.generate(input_ids=first, **SETTINGS)
+    conversation = torch.cat([out.sequences, random_rows([3], seed=2)[0][None]], dim=1)
+    message = r"`multi_turn='history'`.*without `cache`, on the whole conversation so far"
+    with pytest.raises(ValueError, match=message):
+        model.generate(input_ids=conversation, cache=copy.deepcopy(compat.output_cache(out)), **SETTINGS)
+    with pytest.raises(ValueError, match=message):
+        model.base_model.prefill(conversation, cache=copy.deepcopy(compat.output_cache(out)))
+    # Without a cache it reads the whole conversation; with the cache of its own prefill, the same answer.
+    fresh = model.generate(input_ids=conversation, **SETTINGS)
+    again = model.generate(input_ids=conversation, cache=model.base_model.prefill(conversation), **SETTINGS)
+    assert torch.equal(again.sequences, fresh.sequences)
+
+
+def test_a_bitune_cache_is_refused_with_the_adapters_disabled(load_base):
+    """The base model would decode over the mixed cache, and grow it past the conversation it records."""
+    model = make_bitune(load_base("llama")).eval()
+    ids, mask, out = first_turn(model)
+    new_ids, new_mask = left_pad(random_rows([2, 6], seed=2))
+    conversation = torch.cat([out.sequences, new_ids], dim=1)
+    full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1]:]), new_mask], dim=1)
+    cache = compat.output_cache(out)
+    length = cache.get_seq_length()
+    with model.disable_adapter():
+        with pytest.raises(ValueError, match=r"Bitune cache .* cannot be used with the adapters disabled"):
+            model.generate(input_ids=conversation, attention_mask=full_mask, cache=cache, **SETTINGS)
+        with pytest.raises(ValueError, match=r"Bitune cache .* cannot be used with the adapters disabled"):
+            model(input_ids=new_ids, cache=cache)
+    assert cache.get_seq_length() == length  # untouched: the conversation goes on outside `disable_adapter()`
+    model.generate(input_ids=conversation, attention_mask=full_mask, cache=cache, **SETTINGS)

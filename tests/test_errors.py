@@ -121,7 +121,10 @@ def _batch():
         (lambda ids, labels: dict(input_ids=ids), "needs the instruction/answer boundary"),
         (lambda ids, labels: dict(input_ids=ids, labels=labels[:, :5]), r"`labels` has shape \(2, 5\)"),
         (lambda ids, labels: dict(input_ids=ids, labels=torch.full_like(labels, -100)), "no answer token"),
-        (lambda ids, labels: dict(input_ids=ids, labels=ids), "start with an answer token"),
+        (lambda ids, labels: dict(input_ids=ids, labels=ids), r"Rows \[0, 1\] are supervised at every token"),
+        (lambda ids, labels: dict(input_ids=ids, labels=labels.index_put((torch.tensor([1]), torch.tensor([0])),
+                                                                          ids[1, :1])),
+         r"Rows \[1\] start with an answer token"),
         (lambda ids, labels: dict(input_ids=ids, labels=labels,
                                   attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1], [1] * 6])), "padding between"),
         (lambda ids, labels: dict(input_ids=ids, labels=labels, attention_mask=torch.zeros_like(ids)), "empty"),
@@ -129,8 +132,8 @@ def _batch():
         (lambda ids, labels: dict(input_ids=ids, labels=labels, output_attentions=True), "not supported"),
         (lambda ids, labels: dict(labels=labels), "exactly one of `input_ids` and `inputs_embeds`"),
     ],
-    ids=["no-boundary", "shape", "no-answer", "no-instruction", "holes", "empty", "all-prompt", "attentions",
-         "no-input"],
+    ids=["no-boundary", "shape", "no-answer", "whole-row-supervised", "no-instruction", "holes", "empty",
+         "all-prompt", "attentions", "no-input"],
 )
 def test_bad_training_inputs_get_clear_errors_before_any_compute(load_base, monkeypatch, change, message):
     model = make_bitune(load_base("llama"))
@@ -215,4 +218,8 @@ def test_an_empty_or_too_long_training_batch_is_refused_before_any_compute(load_
     labels[:, :200] = -100
     with pytest.raises(ValueError, match="300 tokens, more than the model's 256 positions"):
         model(input_ids=long, labels=labels)
+    # A packed row (positions that restart) is often longer than the model's positions: packing is what is named.
+    packed = torch.cat([torch.arange(150), torch.arange(150)])[None]
+    with pytest.raises(ValueError, match=r"`position_ids` differ .* row 0, column 150 .*packing"):
+        model(input_ids=long, labels=labels, position_ids=packed)
     assert not ran

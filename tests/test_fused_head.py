@@ -130,15 +130,28 @@ def test_fused_head_with_adapters_disabled_is_the_base_model(load_base):
     torch.testing.assert_close(fused.log_probs, want["log_probs"], rtol=0, atol=ATOL)
 
 
+def one_token_row_without_answer(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Row 2 cut to its first token (a BOS, say), with no answer: a fused-head call reads a row without an answer as
+    an instruction whose last token scores nothing, and one token leaves no instruction before it."""
+    attention_mask, labels = batch["attention_mask"].clone(), batch["labels"].clone()
+    attention_mask[2, 1:] = 0
+    labels[2] = -100
+    return {**batch, "attention_mask": attention_mask, "labels": labels}
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (lambda batch: {**batch, "labels": None}, r"`fused_lm_head=True` needs `labels`"),
         (lambda batch: {**batch, "shift_labels": batch["labels"][:, 1:]}, r"`shift_labels`.*not supported"),
         (lambda batch: {**batch, "labels": batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)},
-         r"Rows \[0, 1, 2, 3\] start with an answer token \(by `labels`\)"),
+         r"Rows \[0, 1, 2, 3\] are supervised at every token \(by `labels`\).*`completion_only_loss=False`"),
+        (lambda batch: {**batch, "labels": batch["labels"].index_put((torch.tensor([1]), torch.tensor([0])),
+                                                                     batch["input_ids"][1, :1])},
+         r"Rows \[1\] start with an answer token \(by `labels`\)"),
+        (one_token_row_without_answer, r"Rows \[2\] hold a single token and no answer token \(by `labels`\)"),
     ],
-    ids=["no_labels", "shift_labels", "answer_at_position_0"],
+    ids=["no_labels", "shift_labels", "whole_row_supervised", "answer_at_position_0", "one_token_without_answer"],
 )
 def test_fused_head_refusals(load_base, change, message):
     model = make_bitune(load_base("llama")).train()

@@ -6,6 +6,7 @@ moves, and what a Bitune adapter cannot run is refused before any work."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import datasets
 import pytest
@@ -332,3 +333,22 @@ def test_refuses_a_max_length_that_drops_every_row(tmp_path, trl_model_dir):
         BituneDPOTrainer(model=trl_model_dir, args=dpo_args(tmp_path, max_length=3),
                          train_dataset=preference_rows(), processing_class=helpers.build_tokenizer(),
                          peft_config=random_bitune_config())
+
+
+def test_trls_own_dpo_trainer_warns_once_that_its_reference_is_the_base_model(tmp_path, trl_model_dir):
+    """TRL's own trainer scores the reference of an adapter made from `peft_config` with the adapters disabled: the
+    base model, which a Bitune adapter is not at its start. The Bitune forward warns at the first step, once."""
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(trl_model_dir),
+                         args=dpo_args(tmp_path, max_steps=2), train_dataset=preference_rows(),
+                         processing_class=helpers.build_tokenizer(), peft_config=random_bitune_config())
+    with pytest.warns(UserWarning) as caught:
+        trainer.train()
+    named = [str(w.message) for w in caught if "BituneDPOTrainer" in str(w.message)]
+    assert len(named) == 1 and "\n" not in named[0] and "base model" in named[0]
+    bitune = BituneDPOTrainer(model=trl_model_dir, args=dpo_args(tmp_path / "bitune", max_steps=1),
+                              train_dataset=preference_rows(), processing_class=helpers.build_tokenizer(),
+                              peft_config=random_bitune_config())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bitune.train()
+    assert not [w for w in caught if "BituneDPOTrainer" in str(w.message)]

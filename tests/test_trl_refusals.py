@@ -167,3 +167,30 @@ def test_rows_that_truncation_leaves_without_an_answer_are_counted_in_a_warning(
 def test_an_empty_dataset_is_refused_by_name(tmp_path, trl_model_dir):
     with pytest.raises(ValueError, match="`train_dataset` is empty"):
         make_trainer(trl_model_dir, tmp_path, rows=[])
+
+
+# ---------------------------------------------------------------------- TRL's own SFTTrainer: named by the forward
+@pytest.mark.parametrize(
+    ("rows", "args", "message"),
+    [
+        (helpers.prompt_completion_rows(8), {"completion_only_loss": False},
+         r"are supervised at every token \(by `labels`\).*`completion_only_loss=False`"),
+        ([{"text": f"{question} answer : {answer}"} for question, answer in helpers.arithmetic_rows(8)], {},
+         r"are supervised at every token \(by `labels`\).*plain-text \(`text`\)"),
+        (helpers.prompt_completion_rows(16), {"packing": True}, r"`position_ids` differ.*`packing=True`"),
+    ],
+    ids=["completion-only-loss-off", "text", "packing"],
+)
+def test_trls_own_sft_trainer_is_refused_for_the_real_reason(tmp_path, trl_model_dir, rows, args, message):
+    """`BituneSFTTrainer` refuses these before any work; TRL's `SFTTrainer` given a `BituneConfig` reaches the
+    Bitune forward at step 1, which names the same cause (rows that are all answer; packing), not a consequence
+    (a row starting with an answer token; a packed row longer than the model's positions)."""
+    from trl import SFTConfig, SFTTrainer
+
+    config = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to=[],
+                       save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, dataloader_num_workers=0,
+                       **args)
+    trainer = SFTTrainer(model=trl_model_dir, args=config, train_dataset=datasets.Dataset.from_list(rows),
+                         processing_class=helpers.build_tokenizer(), peft_config=helpers.small_bitune_config())
+    with pytest.raises(ValueError, match=message):
+        trainer.train()

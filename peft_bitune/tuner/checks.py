@@ -264,6 +264,14 @@ def check_training_inputs(
         is_answer, boundary = valid & ~prompt_mask.to(device).bool(), "`prompt_mask`"
     else:
         is_answer, boundary = valid & (labels.to(device) != IGNORE_INDEX), "`labels`"
+    check_rows(
+        (is_answer == valid).all(dim=1) & valid.any(dim=1),
+        "Rows {rows} are supervised at every token (by " + boundary + "): the whole row is an answer, and no "
+        "instruction is left for Bitune to read. TRL's `SFTTrainer` supervises whole rows for plain-text (`text`) "
+        "data and with `completion_only_loss=False`: use prompt-completion rows (`completion_only_loss` left at None "
+        "or True) or conversations with `assistant_only_loss=True`; `BituneSFTTrainer` checks the data before "
+        "training.",
+    )
     if labels is not None:
         labels = labels.to(device).masked_fill(~is_answer, IGNORE_INDEX)
     return TrainingInputs(
@@ -303,8 +311,6 @@ def check_training_arguments(kwargs: dict[str, Any], valid: torch.Tensor, positi
     `None` values; everything else is refused by name. Rows longer than the model's positions are refused, as
     `generate` does.
     """
-    if position_limit is not None and valid.shape[1] > position_limit:  # only then can a row be too long
-        check_fits_positions(int(valid.sum(dim=1).max()), position_limit, "A row")
     for name, value in kwargs.items():
         if value is None or (name == "logits_to_keep" and isinstance(value, int) and value == 0):
             continue
@@ -315,6 +321,10 @@ def check_training_arguments(kwargs: dict[str, Any], valid: torch.Tensor, positi
             name, "it runs each row in three passes of different lengths, and the argument would reach only one"
         )
         raise ValueError(f"The Bitune training forward does not accept `{name}`: {reason}. Remove it.")
+    # After the arguments: a packed row (restarting `position_ids`) is often longer than the model's positions, and
+    # packing is what to name then.
+    if position_limit is not None and valid.shape[1] > position_limit:  # only then can a row be too long
+        check_fits_positions(int(valid.sum(dim=1).max()), position_limit, "A row")
 
 
 def _check_ordinary_positions(position_ids: torch.Tensor, valid: torch.Tensor) -> None:

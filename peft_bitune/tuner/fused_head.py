@@ -16,11 +16,13 @@ read.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from .checks import TrainingInputs, check_rows
 from .layout import ConversationLayout
 
 # The per-token fields of `FusedCausalLMOutput`, in its order, and those a direct call asks TRL's head for: the ones
@@ -60,6 +62,36 @@ def check_fused_call(labels: torch.Tensor | None, shift_labels: torch.Tensor | N
         raise ValueError(
             "`fused_lm_head=True` scores whole rows (instruction and answer), so it cannot continue a `cache`."
         )
+
+
+def check_rows_to_read(inputs: TrainingInputs) -> None:
+    """A fused-head call reads a row without an answer as an instruction whose last token scores nothing; refuse a
+    one-token row without an answer, which leaves no instruction before that token (rather than asking for a BOS
+    token it already has)."""
+    check_rows(
+        (inputs.row_lengths == 1) & ~inputs.is_answer.any(dim=1),
+        "Rows {rows} hold a single token and no answer token (by " + inputs.boundary + "): a row without an answer "
+        "is read as an instruction with nothing to score, and one token leaves no instruction before it. Give each "
+        "row an instruction and an answer of at least one token, or leave such rows out of the batch.",
+    )
+
+
+def warn_reference_without_adapter(model: nn.Module) -> None:
+    """
+    A fused-head call with the adapters disabled is how TRL's own DPO, KTO, GRPO and RLOO trainers score their
+    reference for an adapter made from `peft_config`: the base model, which a Bitune adapter is not equal to even as
+    it starts (the bidirectional read is mixed in). The trainers of `trl_integration` never call it so: warn once per
+    model, at the first such call (the first training step).
+    """
+    if model.__dict__.get("_warned_reference_without_adapter"):
+        return
+    model.__dict__["_warned_reference_without_adapter"] = True
+    warnings.warn(
+        "Scoring with the Bitune adapter disabled (TRL's own DPO/KTO/GRPO/RLOO reference) scores the base model, "
+        "which a Bitune adapter is not even at its start: train with `trl_integration.BituneDPOTrainer` (or "
+        "BituneKTOTrainer, BituneGRPOTrainer, BituneRLOOTrainer), whose reference is an exact copy of the adapter.",
+        stacklevel=3,
+    )
 
 
 def fused_output(

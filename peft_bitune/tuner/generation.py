@@ -149,6 +149,29 @@ def _hold_sequences(
     cache.layers[:] = before_decoding.layers
 
 
+def check_history_continuation(multi_turn: str, cache: BituneCache, prompts: Prompts) -> None:
+    """A `multi_turn="history"` adapter reads everything before an answer as one instruction, twice: a cache cannot
+    take it to a new turn, which `continue_conversation` would read the alternating way. A cache that already stands
+    for all of the input but its last token (a fresh `prefill`, or a retry of the same prompt) reads nothing new."""
+    if multi_turn == "history" and cache.conversation_length < prompts.width - 1:
+        raise ValueError(
+            "This adapter was trained with `multi_turn='history'`, which reads the whole conversation before each "
+            "answer as one instruction, so a `cache` cannot continue it with new tokens: call `generate` (or "
+            "`prefill`) without `cache`, on the whole conversation so far."
+        )
+
+
+def refuse_bitune_cache_while_disabled(cache: Any) -> None:
+    """With the adapters disabled the model is the base model, which must not decode over Bitune's mixed cache (nor
+    grow it past the conversation it records)."""
+    if isinstance(cache, BituneCache):
+        raise ValueError(
+            "A Bitune cache holds the mixed keys/values of the Bitune adapter, so it cannot be used with the adapters "
+            "disabled (`disable_adapter()`), which run the base model: call the base model without `cache` (or with "
+            "a cache of its own), or continue the conversation outside `disable_adapter()`."
+        )
+
+
 def max_length_is_set(model: Any, kwargs: dict[str, Any]) -> bool:
     """Whether `max_length` was set (as an argument, in the given generation config, or in the model's), so that
     transformers takes it as the total length rather than generating its default 20 tokens."""

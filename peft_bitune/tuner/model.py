@@ -49,7 +49,13 @@ from .checks import (
     check_training_inputs,
 )
 from .config import BituneConfig
-from .fused_head import check_fused_call, ensure_fused_head, fused_output
+from .fused_head import (
+    check_fused_call,
+    check_rows_to_read,
+    ensure_fused_head,
+    fused_output,
+    warn_reference_without_adapter,
+)
 from .layer_inputs import recompute_prompt_keys_values
 from .layout import ConversationLayout
 from .mixing import BituneKVMixer
@@ -370,6 +376,7 @@ class BituneModel(BaseTuner):
             check_fused_call(labels, shift_labels, cache)
             ensure_fused_head(self.model)
             if disabled:  # the base model alone: its own fused head
+                warn_reference_without_adapter(self)
                 return self.model(
                     input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, labels=labels,
                     num_items_in_batch=num_items_in_batch, fused_lm_head=True, **kwargs,
@@ -378,6 +385,8 @@ class BituneModel(BaseTuner):
             kwargs["shift_labels"] = shift_labels  # refused by name below, as any argument the passes cannot take
         if cache is not None and not disabled:
             check_continuation_arguments(labels, prompt_mask)
+        if disabled:
+            generation.refuse_bitune_cache_while_disabled(cache)
         if disabled or cache is not None:
             # The base model alone, or a causal continuation of the cache with the causal weights (routed between
             # passes).
@@ -392,6 +401,8 @@ class BituneModel(BaseTuner):
         inputs = check_training_inputs(
             input_ids, inputs_embeds, attention_mask, labels, prompt_mask, kwargs, self._position_limit
         )
+        if fused_lm_head:
+            check_rows_to_read(inputs)
         sequence = inputs.sequence
         layout = ConversationLayout.from_inputs(
             inputs, mode=self.peft_config[self.active_adapter].multi_turn, read_rows_without_answer=fused_lm_head
@@ -463,6 +474,7 @@ class BituneModel(BaseTuner):
         """
         if self._adapters_disabled():
             cache = compat.pop_cache(kwargs)
+            generation.refuse_bitune_cache_while_disabled(cache)
             if cache is not None:
                 kwargs[compat.CACHE_NAME] = cache
             return self.model.generate(*args, **kwargs)
@@ -509,7 +521,10 @@ class BituneModel(BaseTuner):
                 f"`cache` must be the cache of an earlier Bitune `generate` or `prefill` of this model "
                 f"(a BituneCache), got {type(cache).__name__}. Bitune needs to know where the previous answer ends."
             )
-        return cache.checked_continuation(self.model, input_ids, attention_mask, self._position_limit, inputs_embeds)
+        limit = self._position_limit
+        prompts = cache.checked_continuation(self.model, input_ids, attention_mask, limit, inputs_embeds)
+        generation.check_history_continuation(self.peft_config[self.active_adapter].multi_turn, cache, prompts)
+        return prompts
 
     # ------------------------------------------------------------------ checkpoint keys (PEFT's hooks)
     @classmethod
