@@ -1,5 +1,5 @@
-"""Key/value caches of the passes, the mix of two recorded prompt passes, what a training batch has built so far
-(`TrainingCache`), and the conversation cache.
+"""Key/value caches of the passes, what a training batch has built so far (`TrainingCache`), and the conversation
+cache.
 
 Each pass reads the keys/values built so far and may record its own. Two properties matter, and transformers'
 `DynamicCache` has neither:
@@ -12,11 +12,10 @@ Each pass reads the keys/values built so far and may record its own. Two propert
 Both are one layer class, `PassCacheLayer`: an optional fixed prefix, plus an optional record of the last chunk.
 In training the prefix of a single turn's answer pass is a `layer_inputs.PromptMix`: the mix of the two prompt passes,
 computed inside the reading layer from what those passes left (`layer_inputs.py`), so that it is never held across
-layers.
-A prompt pass of generation feeds nothing but its keys/values, so once the last layer has recorded them the pass may
-end there (see `prompt_pass_end.py`). In training it holds every position and is never a sliding-window layer;
-sliding-window models still get their window, because transformers builds the sliding mask from the config over
-absolute positions. Over a generation cache it mirrors each layer (window and offset) instead.
+layers. A prompt pass of generation feeds nothing but its keys/values, so once the last layer has recorded them the
+pass may end there (see `prompt_pass_end.py`). In training it holds every position and is never a sliding-window
+layer; sliding-window models still get their window, because transformers builds the sliding mask from the config
+over absolute positions. Over a generation cache it mirrors each layer (window and offset) instead.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from .checks import (
     check_same_shape,
     has_holes,
 )
-from .mixing import BituneKVMixer, mix_key_values
 from .prompt_pass_end import PromptPassComplete
 
 
@@ -120,7 +118,7 @@ class PassCacheLayer(CacheLayerMixin):
         return torch.cat([prefix_keys, key_states], dim=-2), torch.cat([prefix_values, value_states], dim=-2)
 
     def forget_record(self) -> None:
-        """Drop the recorded chunk and record no more (`mix_recorded` has taken it over)."""
+        """Drop the recorded chunk and record no more (the passes have taken it over, `BitunePasses.read_twice`)."""
         self.recorded_keys = self.recorded_values = None
         self.record = self.stop_after_record = False
 
@@ -332,30 +330,6 @@ def recorded_key_values(cache: Cache) -> tuple[list[torch.Tensor], list[torch.Te
             "through the cache's `update` method, which Bitune needs."
         )
     return [layer.recorded_keys for layer in layers], [layer.recorded_values for layer in layers]
-
-
-def mix_recorded(
-    causal: Cache, bidirectional: Cache, mixer: BituneKVMixer
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """
-    Mix two recorded prompt passes layer by layer; returns the mixed keys and values. A layer the mixer leaves out
-    (`BituneConfig.mixed_layers`) keeps the causal pass's keys and values as they are.
-
-    The records are handed over: both pass caches forget them, and record nothing more (a checkpointed layer's
-    recomputation in the backward pass writes to the cache again). Once the mix's backward has run, nothing holds
-    them, while the prompt passes' own backward still has layers to go.
-    """
-    key_alpha, value_alpha = mixer.coefficients()
-    causal_keys, causal_values = recorded_key_values(causal)
-    bidirectional_keys, bidirectional_values = recorded_key_values(bidirectional)
-    for layer in (*causal.layers, *bidirectional.layers):
-        layer.forget_record()
-
-    def mix(causal_tensors: list[torch.Tensor], bidirectional_tensors: list[torch.Tensor], alphas: torch.Tensor):
-        return [mix_key_values(c, b, alpha) if mixed else c
-                for c, b, alpha, mixed in zip(causal_tensors, bidirectional_tensors, alphas, mixer.mixed)]
-
-    return mix(causal_keys, bidirectional_keys, key_alpha), mix(causal_values, bidirectional_values, value_alpha)
 
 
 @dataclass

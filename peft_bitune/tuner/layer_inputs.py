@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from transformers.cache_utils import Cache
 
@@ -130,10 +129,6 @@ class PromptMix:
     `mix_key_values` of the keys (values) the causal and the bidirectional pass wrote at this layer, to the bit. A
     layer the mixer leaves out (`BituneConfig.mixed_layers`) reads the causal pass's keys and values as they are.
     Under checkpointing, the reading layer computes it again in its backward instead of holding it.
-
-    `checkpoint` (for recomputed keys/values read by a layer that is not checkpointed itself): keep nothing of the
-    recomputation for the backward pass but its inputs (held anyway), and run it again there; without it, every
-    layer would keep the recomputation's norm outputs and keys/values on top of the prompt passes' own.
     """
 
     causal: LayerCall | HeldKeyValues
@@ -142,14 +137,8 @@ class PromptMix:
     value_alpha: torch.Tensor
     mixed: bool
     length: int
-    checkpoint: bool = False
 
     def key_values(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.checkpoint and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._key_values, use_reentrant=False)
-        return self._key_values()
-
-    def _key_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         causal_keys, causal_values = self.causal.key_values()
         if not self.mixed:
             return causal_keys, causal_values

@@ -309,16 +309,19 @@ class BituneModel(BaseTuner):
     # ------------------------------------------------------------------ passes
     def _passes(self) -> BitunePasses:
         """The passes of a forward of the active adapter, as the model is wrapped now."""
-        checkpointing = bool(self._router.checkpointing_layers())
+        paths = self._router.index.decoder_layer_paths
+        # Recomputing the prompt's keys/values pays only where checkpointing keeps nothing else of them, and needs
+        # each cache layer's decoder layer (`layer_inputs.py`).
+        recompute = (bool(self._router.checkpointing_layers()) and len(paths) == num_layers(self.model)
+                     and recompute_prompt_keys_values(text_config(self.model)))
         return BitunePasses(
             model=self.model,
             weights=self.weights,
             mixer=self.mixer,
             second_pass_attention=self.peft_config[self.active_adapter].second_pass_attention,
             stop_early=self._router.prompt_passes_may_stop_early(),
-            checkpointing=checkpointing,
-            recompute_prompt=checkpointing and recompute_prompt_keys_values(text_config(self.model)),
-            decoder_layer_paths=self._router.index.decoder_layer_paths,
+            recompute_prompt=recompute,
+            decoder_layer_paths=paths,
         )
 
     # ------------------------------------------------------------------ training forward

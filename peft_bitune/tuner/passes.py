@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache
 from .. import compat
 from ..constants import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, SecondPassAttention, WeightSet
 from ..utils.base_model import decoder_of, num_layers
-from .caches import TrainingCache, mix_recorded, pass_cache, recomputing_pass_cache, recorded_key_values
+from .caches import TrainingCache, pass_cache, recomputing_pass_cache, recorded_key_values
 from .layer_inputs import HeldKeyValues, LayerCall, PromptMix, capturing_layer_calls
 from .layout import Chunk, ConversationLayout, Turn
 from .mixing import BituneKVMixer, at_least_float32
@@ -55,9 +55,9 @@ class BitunePasses:
         second_pass_attention (`str`): the mask of the bidirectional prompt pass (`"causal"` is the paper's ablation).
         stop_early (`bool`): whether a prompt pass may end once the last layer has recorded its keys/values (see
             `prompt_pass_end.may_end_early`).
-        checkpointing (`bool`): whether the decoder layers checkpoint in this forward.
         recompute_prompt (`bool`): whether a training step's prompt passes leave their layer inputs for the answer
-            pass to recompute their keys/values from, rather than the keys/values (`layer_inputs.py`).
+            pass to recompute their keys/values from, rather than the keys/values (`layer_inputs.py`); only where
+            each cache layer has its decoder layer in `decoder_layer_paths`.
         decoder_layer_paths (`Sequence[LayerPath]`): where each decoder layer sits, to find FSDP2 units.
     """
 
@@ -66,7 +66,6 @@ class BitunePasses:
     mixer: BituneKVMixer
     second_pass_attention: SecondPassAttention
     stop_early: bool
-    checkpointing: bool
     recompute_prompt: bool
     decoder_layer_paths: Sequence[LayerPath]
 
@@ -83,10 +82,10 @@ class BitunePasses:
 
         Per turn: both prompt passes over x_1..x_{m-1} on top of the cache so far, their mix appended to the cache;
         then x_m and the answer causally, their causal keys/values appended for the next turn. A turn that nothing
-        comes before or after (every single-turn row) has its prompt recomputed by the answer pass instead
-        (`answer_over_prompt`), where each cache layer has its decoder layer.
+        comes before or after (every single-turn row) has its mix computed by the answer pass where it reads it
+        (`answer_over_prompt`).
         """
-        if len(turns) == 1 and len(self.decoder_layer_paths) == num_layers(self.model):
+        if len(turns) == 1:
             return [self.answer_over_prompt(turns[0], sequence, fused_head)]
         cache: TrainingCache | None = None
         outputs = []
@@ -116,17 +115,32 @@ class BitunePasses:
         inputs = turn.prefill.pass_inputs(sequence, None)
         left = {}
         for weight_set in (BIDIRECTIONAL, CAUSAL):
-            left[weight_set] = (self._layer_calls(weight_set, inputs) if self.recompute_prompt
-                                else self._recorded_key_values(weight_set, inputs))
+            left[weight_set] = (
+                self._layer_calls(weight_set, inputs) if self.recompute_prompt else self._recorded_key_values(
+                    weight_set, _pass_cache(None, self.model, record=True, stop_after_last_record=self.stop_early),
+                    inputs)
+            )
+        prompt = self._mixes(left, turn.prefill.width)
+        return self.answer_pass(turn.answer, sequence, recomputing_pass_cache(prompt), turn.prefill.mask, fused_head)
+
+    def read_twice(self, recording_cache: Callable[[], Cache], **inputs: torch.Tensor) -> KeyValues:
+        """Steps 1-3 with the keys/values recorded and mixed at once, for generation and for the turns a later turn
+        reads: the bidirectional then the causal prompt pass over `inputs`, each recording into a fresh
+        `recording_cache()`; returns the per-layer mix (keys, values)."""
+        recorded = {weight_set: self._recorded_key_values(weight_set, recording_cache(), inputs)
+                    for weight_set in (BIDIRECTIONAL, CAUSAL)}
+        mixed = [mix.key_values() for mix in self._mixes(recorded, recorded[CAUSAL][0].keys.shape[-2])]
+        return [keys for keys, _ in mixed], [values for _, values in mixed]
+
+    def _mixes(self, left: dict[WeightSet, list[LayerCall | HeldKeyValues]], length: int) -> list[PromptMix]:
+        """Each layer's mix of what the two prompt passes left, with the active adapter's coefficients."""
         key_alpha, value_alpha = self.mixer.coefficients()
-        prompt = [
-            PromptMix(causal, bidirectional, key_alpha[layer], value_alpha[layer], mixed, turn.prefill.width,
-                      checkpoint=self.recompute_prompt and not self.checkpointing)
+        return [
+            PromptMix(causal, bidirectional, key_alpha[layer], value_alpha[layer], mixed, length)
             for layer, (causal, bidirectional, mixed) in enumerate(
                 zip(left[CAUSAL], left[BIDIRECTIONAL], self.mixer.mixed)
             )
         ]
-        return self.answer_pass(turn.answer, sequence, recomputing_pass_cache(prompt), turn.prefill.mask, fused_head)
 
     def _layer_calls(self, weight_set: WeightSet, inputs: dict[str, torch.Tensor]) -> list[LayerCall]:
         """One prompt pass that records nothing, keeping what each decoder layer was called with."""
@@ -136,27 +150,17 @@ class BitunePasses:
             self.prompt_pass(weight_set, _pass_cache(None, self.model, record=False), **inputs)
         return calls
 
-    def _recorded_key_values(self, weight_set: WeightSet, inputs: dict[str, torch.Tensor]) -> list[HeldKeyValues]:
-        """One prompt pass that records its keys/values; the pass cache hands them over and records no more (a
-        checkpointed layer's recomputation writes to it again), so that nothing else holds them."""
-        cache = _pass_cache(None, self.model, record=True, stop_after_last_record=self.stop_early)
+    def _recorded_key_values(
+        self, weight_set: WeightSet, cache: Cache, inputs: dict[str, torch.Tensor]
+    ) -> list[HeldKeyValues]:
+        """One prompt pass that records its keys/values into `cache`; the cache hands them over and records no more
+        (a checkpointed layer's recomputation writes to it again), so that nothing else holds them."""
         self.prompt_pass(weight_set, cache, **inputs)
         self._gather_shards_for_recorded(cache)
         recorded = [HeldKeyValues(keys, values) for keys, values in zip(*recorded_key_values(cache))]
         for layer in cache.layers:
             layer.forget_record()
         return recorded
-
-    def read_twice(self, recording_cache: Callable[[], Cache], **inputs: torch.Tensor) -> KeyValues:
-        """Steps 1-3 with the keys/values recorded, for generation and for the turns a later turn reads: the
-        bidirectional then the causal prompt pass over `inputs`, each recording into a fresh `recording_cache()`;
-        returns the per-layer mix (keys, values) of the two records."""
-        recorded = {}
-        for weight_set in (BIDIRECTIONAL, CAUSAL):
-            recorded[weight_set] = recording_cache()
-            self.prompt_pass(weight_set, recorded[weight_set], **inputs)
-            self._gather_shards_for_recorded(recorded[weight_set])
-        return mix_recorded(recorded[CAUSAL], recorded[BIDIRECTIONAL], self.mixer)
 
     def prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: Any) -> Any:
         """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used; a
