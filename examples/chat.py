@@ -16,9 +16,10 @@ model recorded in the adapter is loaded, or `--model_name_or_path`):
 
 When the adapter's tokenizer has a chat template (a chat model such as SmolLM2), each turn is a user message: the
 tokens appended for it are what the template adds to the conversation (the end of the previous assistant turn, the
-user turn, the assistant's header), found by rendering the conversation before and after the turn. Otherwise turns are
-plain text, tokenized as TRL tokenizes prompts; the first turn gets the tokenizer's special tokens (e.g. BOS), later
-ones are appended as they are.
+user turn, the assistant's header), found by rendering the conversation before and after the turn. The quickstart's
+adapter on the miniature carries examples/prompt_completion_template.jinja, which adds the turn's text as it is (after
+the previous answer's EOS token). Without a template, turns are plain text, tokenized as TRL tokenizes prompts; the
+first turn gets the tokenizer's special tokens (e.g. BOS), later ones are appended as they are.
 """
 
 from __future__ import annotations

