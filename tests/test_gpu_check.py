@@ -20,6 +20,7 @@ sys.path.insert(0, str(BENCHMARKS))
 import gpu_check  # noqa: E402
 import sdpa_backends  # noqa: E402
 import training_memory  # noqa: E402
+from measure import peak_bytes_during  # noqa: E402
 from models import REAL_SHAPES, TINY_SHAPES, build_pair, training_batch  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -186,6 +187,35 @@ def test_skipping_the_matmul_arithmetic_gives_exactly_the_measured_peak():
     assert heads[0] == heads[1] and heads[0][0] > 0
 
 
+def test_the_head_as_on_cuda_scores_the_answer_positions_without_the_cpu_folds_temporaries():
+    """On a CPU the measurement runs TRL's head as CUDA runs it: the supervised positions only (so its peak does not
+    grow with the prompt), and none of the float32 tile temporaries of TRL's CPU folds (so it is under the CPU
+    head's own peak at the same positions). TRL's own functions are back once the measurement is done."""
+    from trl.kernels import chunked_logprob
+    from trl.trainer import utils as trl_utils
+
+    config = TINY_SHAPES["tiny-gemma"].config()
+    short, long = (training_memory.fused_head_bytes(config, (2, prompt, 4), CPU, torch.bfloat16, True)
+                   for prompt in (8, 64))
+    assert short == long and short[1] == 2 * 4
+    originals = (trl_utils._use_triton, chunked_logprob._forward_tile, chunked_logprob._backward_tile,
+                 chunked_logprob._addmm_fp32)
+    with training_memory.fused_head_as_on_cuda(CPU):
+        assert trl_utils._use_triton(CPU) is True
+    assert (trl_utils._use_triton, chunked_logprob._forward_tile, chunked_logprob._backward_tile,
+            chunked_logprob._addmm_fp32) == originals and trl_utils._use_triton(CPU) is False
+    hidden = torch.zeros(8, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.zeros(config.vocab_size, config.hidden_size, dtype=torch.bfloat16)
+
+    def cpu_head() -> None:
+        log_probs = chunked_logprob.ChunkedLogProbFunction.apply(
+            hidden, weight, None, torch.zeros(8, dtype=torch.long), 1.0, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE,
+            None, 1.0, training_memory.SFT_FIELDS)[0]
+        (-log_probs).sum().backward()
+
+    assert peak_bytes_during(cpu_head, CPU) > short[0]
+
+
 def test_per_layer_extrapolation_reaches_the_peak_measured_at_full_depth():
     shape = TINY_SHAPES["tiny-llama"]  # 2 layers: measured at 1 and 2, extrapolated to 2
     result = training_memory.measure_shape(shape, [1, 2], (2, 8, 4), CPU, torch.bfloat16, True, 1.0,
@@ -200,32 +230,8 @@ def test_per_layer_extrapolation_reaches_the_peak_measured_at_full_depth():
     excess = result["bitune_excess_over_lora"]["_checkpointing"]
     assert excess["per_layer_bytes"] == (result["per_layer_bytes"]["bitune_checkpointing"]
                                          - result["per_layer_bytes"]["lora_checkpointing"])
-    assert excess["floor_per_layer_bytes"] * 2 == excess["floor_bytes"] == result["prompt_caches"]["bytes"]
-
-
-def test_the_floor_is_what_the_prompt_passes_record(monkeypatch):
-    """`prompt_caches_bytes` is derived from the config; here it is counted: the bytes of every key and value tensor
-    the prompt passes of a Bitune step record, on a grouped-query Llama and a multi-query Gemma."""
-    from peft_bitune.tuner.caches import PassCacheLayer
-
-    recorded = []
-    update = PassCacheLayer.update
-
-    def counting_update(self, key_states, value_states, *args, **kwargs):
-        if self.record:
-            recorded.append(key_states.nbytes + value_states.nbytes)
-        return update(self, key_states, value_states, *args, **kwargs)
-
-    monkeypatch.setattr(PassCacheLayer, "update", counting_update)
-    for name, batch_shape in (("tiny-llama", (2, 8, 4)), ("tiny-gemma", (3, 6, 2))):
-        config = TINY_SHAPES[name].config()
-        model = training_memory.prepared_model(training_memory.base_model(config, CPU, torch.bfloat16, True),
-                                               "bitune", checkpointing=False)
-        recorded.clear()
-        with torch.no_grad():
-            model(**training_batch(*batch_shape, config.vocab_size, CPU), fused_lm_head=True)
-        assert len(recorded) == 2 * config.num_hidden_layers  # both prompt passes, every layer; not the answer pass
-        assert sum(recorded) == training_memory.prompt_caches_bytes(config, batch_shape, torch.bfloat16) > 0
+    assert excess["floor_per_layer_bytes"] * 2 == excess["floor_bytes"] == (
+        result["second_pass_inputs"]["bytes"] + result["prompt_boundary"]["bytes"])
 
 
 def test_the_second_pass_inputs_are_what_checkpointing_keeps_of_the_bidirectional_pass():
@@ -249,17 +255,20 @@ def test_the_second_pass_inputs_are_what_checkpointing_keeps_of_the_bidirectiona
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma"])
-def test_with_checkpointing_bitune_keeps_per_layer_only_the_prompt_caches_and_the_second_pass_inputs(name):
-    """Per decoder layer, a checkpointed Bitune step holds beyond LoRA's the keys and values of both prompt passes and
-    the second pass's layer input, and nothing else but the mixing scalars' per-layer temporaries (a few float32
-    numbers): not the mix of the two caches (recomputed in the backward, `caches.PendingMix`)."""
+def test_with_checkpointing_bitune_keeps_per_layer_only_the_second_pass_inputs_and_the_boundary(name):
+    """Per decoder layer, a checkpointed Bitune step holds beyond LoRA's the second prompt pass's layer input and what
+    is held between the passes (here, grouped-query shapes: both passes' keys and values), and nothing else but the
+    mixing scalars' per-layer temporaries (a few float32 numbers): not their mix (computed in the answer pass's layers,
+    `tuner/layer_inputs.py`), which would exceed the margin."""
     batch_shape = (4, 64, 16)
+    config = TINY_SHAPES[name].config()
     result = training_memory.measure_shape(TINY_SHAPES[name], [1, 2], batch_shape, CPU, torch.bfloat16, True, 1.0,
                                            methods=("bitune", "lora"), log=lambda line: None)
     cell = result["bitune_excess_over_lora"]["_checkpointing"]
-    mix_per_layer = cell["floor_per_layer_bytes"] // 2  # the mixed keys and values: half of both passes' records
-    assert cell["checkpointed_floor_per_layer_bytes"] > mix_per_layer > 64
-    assert 0 <= cell["per_layer_bytes"] - cell["checkpointed_floor_per_layer_bytes"] <= 64, cell
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    mix_per_layer = 2 * 4 * config.num_key_value_heads * 63 * head_dim * 2  # mixed keys + values, bf16
+    assert result["prompt_boundary"]["per_layer_bytes"] == 2 * mix_per_layer > 64
+    assert abs(cell["per_layer_bytes"] - cell["floor_per_layer_bytes"]) <= 64, cell
 
 
 def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, capsys):
@@ -270,28 +279,24 @@ def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, c
     shape = report["shapes"]["tiny-gemma"]
     assert set(shape["peak_bytes"]) == {f"{m}{c}" for m in training_memory.METHODS for c in ("", "_checkpointing")}
     assert report["settings"]["dtype"] == "bfloat16" and report["settings"]["arithmetic"] == "skip"
-    head = shape["lora_fused_head"]  # on a CPU, TRL's head scores every position (no Triton): part of LoRA's step
-    assert head["positions"] == 2 * (8 + 4 - 1)
-    assert 0 < head["peak_bytes"] <= shape["peak_bytes"]["lora"]
-    head = shape["bitune_fused_head"]  # Bitune hands it its answer chunks: x_m and the answer
-    assert head["positions"] == 2 * (4 + 1)
-    assert 0 < head["peak_bytes"] <= shape["peak_bytes"]["bitune"]
-    floor = shape["prompt_caches"]  # tiny-gemma: 2 layers, 1 key/value head of 16; both passes read 7 tokens
-    assert floor == {"bytes": 2 * 2 * 2 * 2 * 1 * 7 * 16 * 2, "per_layer_bytes": 2 * 2 * 2 * 1 * 7 * 16 * 2}
-    second_pass = shape["second_pass_inputs"]  # hidden size 64
+    head = shape["fused_head"]  # as on CUDA: the answer positions of both methods (A a row)
+    assert head["positions"] == 2 * 4
+    assert 0 < head["peak_bytes"] <= min(shape["peak_bytes"]["lora"], shape["peak_bytes"]["bitune"])
+    second_pass = shape["second_pass_inputs"]  # tiny-gemma: 2 layers, hidden size 64; the passes read 7 tokens
     assert second_pass == {"bytes": 2 * 2 * 7 * 64 * 2, "per_layer_bytes": 2 * 7 * 64 * 2}
-    checkpointed = shape["bitune_excess_over_lora"]["_checkpointing"]
-    assert checkpointed["checkpointed_floor_bytes"] == floor["bytes"] + second_pass["bytes"]
-    assert "checkpointed_floor_bytes" not in shape["bitune_excess_over_lora"][""]
+    boundary = shape["prompt_boundary"]  # 1 key/value head of 16 (4 x 16 < 2 x 64): both passes' keys and values
+    assert boundary == {"bytes": 2 * 2 * 7 * 4 * 16 * 2, "per_layer_bytes": 2 * 7 * 4 * 16 * 2}
+    assert shape["activation_floor_ratio"] == (7 + 7 + 5) / 12
+    floor = second_pass["bytes"] + boundary["bytes"]
+    assert shape["bitune_excess_over_lora"]["_checkpointing"]["floor_bytes"] == floor
+    assert "floor_bytes" not in shape["bitune_excess_over_lora"][""]
     for setting in ("", "_checkpointing"):
         cell = shape["bitune_excess_over_lora"][setting]
         peaks = shape["peak_bytes"]
         assert cell["bytes"] == peaks[f"bitune{setting}"] - peaks[f"lora{setting}"]
-        assert cell["floor_bytes"] == floor["bytes"] and "per_layer_bytes" not in cell  # measured at full depth
-        heads = shape["bitune_fused_head"]["peak_bytes"] - shape["lora_fused_head"]["peak_bytes"]
-        assert cell["without_heads_bytes"] == cell["bytes"] - heads
-        assert cell["same_head_ratio"] == peaks[f"bitune{setting}"] / (peaks[f"lora{setting}"] + heads)
-    assert "floor (the prompt passes' caches)" in capsys.readouterr().out
+        assert "per_layer_bytes" not in cell  # measured at full depth
+        assert shape["bitune_over_lora"][setting] == peaks[f"bitune{setting}"] / peaks[f"lora{setting}"]
+    assert "against a floor of" in capsys.readouterr().out
     for argv, words in ((["--layers", "2", "2"], "two different layer counts"),
                         (["--prompt", "1"], "--prompt at least 2"),
                         (["--json", str(tmp_path / "missing" / "m.json")], "does not exist")):
@@ -308,7 +313,7 @@ def test_training_memory_remeasures_one_method_and_keeps_the_others(tmp_path, ca
     for shape in marked["shapes"].values():  # marks: kept figures are read back, remeasured ones measured again
         shape["peak_bytes"]["lora_checkpointing"] += 1000
         shape["peak_bytes"]["bitune_checkpointing"] = -1
-        shape["bitune_fused_head"]["peak_bytes"] = -1
+        shape["fused_head"]["peak_bytes"] = -1
     out.write_text(json.dumps(marked))
     again = training_memory.main([*small, "--remeasure", "bitune"])
     assert again["remeasured"]["methods"] == ["bitune"]
@@ -319,7 +324,7 @@ def test_training_memory_remeasures_one_method_and_keeps_the_others(tmp_path, ca
         for key in ("bitune_checkpointing", "bitune", "lora"):
             assert shape["peak_bytes"][key] == before["peak_bytes"][key]
         assert shape["measured_peak_bytes"] == before["measured_peak_bytes"]
-        assert shape["bitune_fused_head"] == before["bitune_fused_head"]
+        assert shape["fused_head"] == before["fused_head"]
         assert shape["bitune_over_lora"]["_checkpointing"] == (
             shape["peak_bytes"]["bitune_checkpointing"] / shape["peak_bytes"]["lora_checkpointing"])
         assert shape["bitune_excess_over_lora"]["_checkpointing"]["bytes"] == (
@@ -361,7 +366,7 @@ def test_training_docs_hold_the_committed_memory_measurement():
     assert list(report["shapes"]) == [*training_memory.FULL_DEPTH, *training_memory.EXTRAPOLATED]
     assert report["settings"]["batch_size"] == 4 and report["settings"]["prompt_length"] == 512
     assert report["settings"]["answer_length"] == 256 and report["settings"]["dtype"] == "bfloat16"
-    assert all("lora_fused_head" in shape and "bitune_fused_head" in shape for shape in report["shapes"].values())
+    assert all("fused_head" in shape for shape in report["shapes"].values())
     page = (BENCHMARKS.parent / "docs" / "training.md").read_text(encoding="utf-8")
     assert training_memory.markdown(report) in page
     assert training_memory.excess_markdown(report) in page
