@@ -306,3 +306,57 @@ def test_bf16_sensitivity_rounds_exactly_the_sites_a_row_names():
     assert island.name == "every site but layers 0-0 (kept exact)"
     assert bf16_sensitivity.gradients_at(model, batch, island)["rounded_calls"] == {
         "base linears": 7 * 3, "LoRA linears": 7 * 3 * 2, "attention": 3, "LM head": 1}  # layer 1's and the head's
+
+
+def _benchmark_module(name: str):
+    """A benchmark script imported as a module (the benchmarks' folder first on the path, as when it runs)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_prompt_boundary_measures_both_boundaries_on_a_multi_head_shape(tmp_path, capsys):
+    prompt_boundary = _benchmark_module("prompt_boundary")
+    out = tmp_path / "boundary.json"
+    report = prompt_boundary.main(["--model", "tiny", "--rounds", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["chosen"] == "layer inputs" and report["key_value_heads"] == 4  # tiny: 4 heads, all key/value
+    cells = [(cell["batch_size"], cell["prompt_length"], cell["answer_length"]) for cell in report["cells"]]
+    assert cells == prompt_boundary.CELLS
+    for cell in report["cells"]:
+        assert positive_finite(cell["time"]["ratio"]) and cell["time"]["rounds"] == 1
+        assert positive_finite(cell["peak_bytes"]["recompute"]) and positive_finite(cell["peak_bytes"]["record"])
+    with pytest.raises(SystemExit):
+        prompt_boundary.main(["--model", "tiny", "--key_value_heads", "3"])
+    assert "must divide the 4 query heads" in capsys.readouterr().err
+
+
+def test_against_revision_compares_each_cell_by_its_bitune_over_lora_ratios(capsys):
+    """The comparison of two trees divides the medians of each tree's Bitune/LoRA ratios, cell by cell; a revision that
+    is not a commit is refused before any worktree is made."""
+    against_revision = _benchmark_module("against_revision")
+
+    def report(train: float, prefill: float, decode: float, flops: float) -> dict:
+        return {"train": [{"batch_size": 8, "prompt_length": 32, "answer_length": 32, "time": {"ratio": train},
+                           "ratio_to_linear_flops": flops}],
+                "generation": [{"batch_size": 1, "prompt_length": 128, "prefill": {"ratio": prefill},
+                                "decode": {"ratio": decode}}]}
+
+    cells = against_revision.compare({"revision": [report(2.0, 1.8, 1.0, 1.5), report(2.2, 1.8, 1.1, 1.6),
+                                                   report(2.4, 2.0, 1.0, 1.7)],
+                                      "this": [report(1.9, 1.8, 1.0, 1.4), report(2.0, 1.9, 1.0, 1.5),
+                                               report(2.3, 1.8, 1.0, 1.6)]})
+    train = cells["train b=8 P=32 A=32: time"]
+    assert train["medians"] == {"revision": 2.2, "this": 2.0}
+    assert train["this_over_revision"] == pytest.approx(2.0 / 2.2)
+    assert train["ratio_to_linear_flops"] == {"revision": 1.6, "this": 1.5}
+    assert cells["generation b=1 P=128: prefill"]["this_over_revision"] == pytest.approx(1.8 / 1.8)
+    assert cells["generation b=1 P=128: decode"]["this_over_revision"] == pytest.approx(1.0 / 1.0)
+    with pytest.raises(SystemExit):
+        against_revision.main(["--revision", "no-such-revision", "--", "--quick"])
+    assert "is not a commit of this repository" in capsys.readouterr().err
