@@ -13,7 +13,8 @@ Two boundaries give the same results, and the smaller one is taken for each mode
 - each decoder layer's input (2 passes x P x the hidden size a layer): the prompt passes record nothing;
   `capturing_layer_calls` keeps what each decoder layer was called with (references to tensors the pass holds
   anyway), and the answer pass's layer l recomputes the two passes' keys and values of layer l from those calls
-  (`LayerCall`: its input norm and key/value projections, and rotary, over the prompt, twice per step); only the
+  (`LayerCall`: the layer run again up to its cache update, over the prompt, for each pass, in the forward and in
+  the checkpointed backward: 1.17 to 1.24 times a step's time on a CPU, `benchmarks/prompt_boundary.py`); only the
   gradient of those inputs is held. Smaller where a token's keys and values outweigh its hidden state: multi-head
   models such as Gemma-7B, Llama-2-7B and Phi-2.
 
