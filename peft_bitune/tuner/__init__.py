@@ -11,12 +11,12 @@ Read in this order:
 4. `layout.py`: where each row's instructions and answers are, gathered into the batches of the passes.
 5. `passes.py`: the two prompt passes and the answer pass over those batches.
 6. `caches.py`, `mixing.py` and `layer_inputs.py`: the caches the passes read and record, the learned mix of the two
-   prompt caches, and, in training, the layer inputs from which the answer pass recomputes that mix where it reads it.
+   prompt caches, and what a training step's prompt passes leave for the answer pass to mix where it reads it.
 7. `routing.py`: which weight set the layers run with, pass by pass, also under gradient checkpointing.
 8. `generation.py`: the prompt read twice before transformers' own `generate` decodes, and a conversation continued.
 
-The rest adapts the method to its surroundings: `prompt_pass_end.py` (a prompt pass ends once it has what it is
-for), `fused_head.py` (TRL's fused-head call), `sharding.py` (FSDP2), `quantization.py` (QLoRA bases) and
+The rest adapts the method to its surroundings: `prompt_pass_end.py` (a prompt pass ends once its last layer has
+recorded), `fused_head.py` (TRL's fused-head call), `sharding.py` (FSDP2), `quantization.py` (QLoRA bases) and
 `find_tuner.py` (the tuner inside a wrapped model).
 
 Each input is checked once, where it enters, into a value that carries what the check learned; nothing downstream

@@ -42,7 +42,8 @@ from .prompt_pass_end import PromptPassComplete
 
 
 class RecomputedPrefix(Protocol):
-    """Keys/values a pass cache layer computes where they are read (`layer_inputs.PromptMix`)."""
+    """Keys/values a pass cache layer computes where they are read, inside the reading layer
+    (`layer_inputs.PromptMix`)."""
 
     length: int
 
@@ -66,7 +67,7 @@ class PassCacheLayer(CacheLayerMixin):
         stop_after_record (`bool`): raise `PromptPassComplete` once the chunk is recorded (set on the last layer
             where the model allows it: see `prompt_pass_end.py`).
         recomputed_prefix (`RecomputedPrefix`, *optional*): instead of `prefix_keys` and `prefix_values`, the mixed
-            prompt the answer pass of a training step reads, recomputed by `update` (inside the reading layer).
+            prompt the answer pass of a training step reads, computed by `update` (inside the reading layer).
     """
 
     is_compileable = False
@@ -156,7 +157,7 @@ def pass_cache(
 
 
 def recomputing_pass_cache(prompt: list[RecomputedPrefix]) -> Cache:
-    """The cache of a training step's answer pass over a prompt read twice: each layer recomputes the mix of the two
+    """The cache of a training step's answer pass over a prompt read twice: each layer computes the mix of the two
     prompt passes where it reads it (`layer_inputs.py`), and records nothing."""
     return Cache(layers=[PassCacheLayer(recomputed_prefix=mix) for mix in prompt])
 
@@ -336,7 +337,7 @@ def recorded_key_values(cache: Cache) -> tuple[list[torch.Tensor], list[torch.Te
 class TrainingCache:
     """
     The keys/values a training batch has built so far, one tensor per layer, with its mask: what the later turns of a
-    multi-turn row read (a single turn's prompt is recomputed where it is read instead, see `layer_inputs.py`).
+    multi-turn row read (a single turn's prompt is mixed where it is read instead, see `layer_inputs.py`).
 
     It is kept left-padded (each row's real positions at the right end), so that the next chunk, right-padded, gives
     each row one contiguous run of real tokens: all that transformers' mask machinery needs (see `layout.py`).

@@ -70,22 +70,18 @@ class LayerCall:
 
 @contextmanager
 def capturing_layer_calls(
-    layers: Sequence[nn.Module], weights: Callable[[nn.Module], AbstractContextManager], stop_at_last: bool
+    layers: Sequence[nn.Module], weights: Callable[[nn.Module], AbstractContextManager]
 ) -> Iterator[list[LayerCall]]:
     """
     Keep what each of `layers` (the decoder layers, in order) is called with during the block; yields the list they
     fill, one `LayerCall` a layer. `weights(layer)` makes the context that routes `layer` to the pass's weight set.
-
-    With `stop_at_last`, the pass ends once the last layer's call is kept (`PromptPassComplete`, caught by the prompt
-    pass): its own compute feeds nothing (see `prompt_pass_end.py` for when that is allowed).
+    (The pass runs to its end: it only runs under checkpointing, where a pass may not end early, `prompt_pass_end.py`.)
     """
     calls: list[LayerCall | None] = [None] * len(layers)
 
     def keep(index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             calls[index] = LayerCall(module, index, args, dict(kwargs), lambda: weights(module))
-            if stop_at_last and index == len(layers) - 1:
-                raise PromptPassComplete
 
         return hook
 

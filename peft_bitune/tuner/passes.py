@@ -7,13 +7,13 @@ For each instruction segment x_1..x_m of a training row:
 3. the two key/value caches are mixed per layer (`BituneKVMixer`),
 4. the answer pass runs x_m and the answer causally, with the causal weights, over the mixed cache.
 
-In a training step the prompt passes record no keys/values: each decoder layer of the answer pass recomputes the two
-passes' keys/values of that layer from what they gave it as input, and mixes them there (`layer_inputs.py`), so that
-nothing holds keys/values across layers. Only the turns a later turn of the same row reads (multi-turn rows) are
-recorded and mixed at once, since every layer of every later pass reads them. `generate` runs steps 1-3 on the prompt
-through `BitunePasses.read_twice`, recording. The tuner (`BituneModel`) builds a
-`BitunePasses` for each forward: it hands over the model, how to route the layers to a weight set, the mixing scalars
-of the active adapter and the choices that depend on how the model is wrapped.
+In a training step each decoder layer of the answer pass computes the mix where it reads it, from what the prompt
+passes left: their keys/values, or under checkpointing on multi-head models their layer inputs, from which it
+recomputes the keys/values (`layer_inputs.py`); the mix is never held across layers. Only the turns a later turn of
+the same row reads (multi-turn rows) are recorded and mixed at once, since every layer of every later pass reads them.
+`generate` runs steps 1-3 on the prompt through `BitunePasses.read_twice`, recording. The tuner (`BituneModel`)
+builds a `BitunePasses` for each forward: it hands over the model, how to route the layers to a weight set, the mixing
+scalars of the active adapter and the choices that depend on how the model is wrapped.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class BitunePasses:
         """One prompt pass that records nothing, keeping what each decoder layer was called with."""
         decoder_layers = [path.modules[-1] for path in self.decoder_layer_paths]
         weights = functools.partial(self.weights, weight_set)
-        with capturing_layer_calls(decoder_layers, weights, stop_at_last=self.stop_early) as calls:
+        with capturing_layer_calls(decoder_layers, weights) as calls:
             self.prompt_pass(weight_set, _pass_cache(None, self.model, record=False), **inputs)
         return calls
 

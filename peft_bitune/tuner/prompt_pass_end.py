@@ -1,14 +1,12 @@
 """
-Ending a prompt pass as soon as it has what it is for: the whole mechanism, in one place.
+Ending a prompt pass as soon as its last layer has written its keys/values: the whole mechanism, in one place.
 
-A prompt pass of generation feeds nothing but the keys/values its layers write into the cache, so the last layer's
-attention output and MLP, and the final norm, would be computed for nothing; a prompt pass of a training step feeds
-nothing but each decoder layer's input (`layer_inputs.py`), so the whole last layer would. A forward cannot be left
-midway except by an exception: the recording cache's last layer raises `PromptPassComplete` right after it has
-recorded (`caches.PassCacheLayer`, which gets `stop_after_record` from `BitunePasses.stop_early`), or, in training,
-the last layer's input is kept and the same exception raised before the layer runs
-(`layer_inputs.capturing_layer_calls`); `BitunePasses.prompt_pass` ends the pass there through
-`ending_at_complete_record`. Nothing else in the package raises or catches it.
+A prompt pass feeds nothing but the keys/values its layers write into the cache, so the last layer's attention output
+and MLP, and the final norm, would be computed for nothing. A forward cannot be left midway except by an exception:
+the recording cache's last layer raises `PromptPassComplete` right after it has recorded (`caches.PassCacheLayer`,
+which gets `stop_after_record` from `BitunePasses.stop_early`), and `BitunePasses.prompt_pass` ends the pass there
+through `ending_at_complete_record`. The same cache layer ends a decoder layer that `layer_inputs.LayerCall` runs
+again up to its keys/values, which catches it itself. Nothing else in the package raises or catches it.
 
 What it saves is the last layer's share of each prompt pass, about 1/L of it for L layers. Measured by
 `benchmarks/prompt_pass_end.py` with one CPU thread (the CPU time of `prefill` and of a training step's forward and
