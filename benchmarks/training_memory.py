@@ -74,6 +74,7 @@ from measure import SkipMatmulArithmetic, peak_bytes_during  # noqa: E402
 from models import REAL_SHAPES, TINY_SHAPES, RealShape, lora_config, random_base, training_batch  # noqa: E402
 from peft_bitune import BituneConfig, compat  # noqa: E402
 from peft_bitune.tuner.layer_inputs import recompute_prompt_keys_values  # noqa: E402
+from peft_bitune.utils.base_model import key_value_width  # noqa: E402
 
 METHODS = ("lora", "lora_full_logits", "bitune")
 FUSED_HEAD_METHODS = ("lora", "bitune")  # trained through TRL's fused LM head
@@ -202,10 +203,8 @@ def prompt_boundary_bytes(config, batch_shape: tuple[int, int, int], dtype: torc
     before the prompt passes' backward starts; the smaller of the two: layers x batch x (P - 1) x min(4 x key/value
     width, 2 x hidden size) x bytes."""
     text_config = config.get_text_config()
-    heads = text_config.num_attention_heads
-    kv_width = ((getattr(text_config, "num_key_value_heads", None) or heads)
-                * (getattr(text_config, "head_dim", None) or text_config.hidden_size // heads))
-    width = 2 * text_config.hidden_size if recompute_prompt_keys_values(text_config) else 4 * kv_width
+    width = (2 * text_config.hidden_size if recompute_prompt_keys_values(text_config)
+             else 4 * key_value_width(text_config))
     batch_size, prompt, _ = batch_shape
     return text_config.num_hidden_layers * batch_size * (prompt - 1) * width * torch.finfo(dtype).bits // 8
 

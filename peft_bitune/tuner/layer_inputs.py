@@ -34,6 +34,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .. import compat
+from ..utils.base_model import key_value_width
 from .caches import PassCacheLayer
 from .mixing import mix_key_values
 from .prompt_pass_end import PromptPassComplete
@@ -113,10 +114,7 @@ class HeldKeyValues:
 def recompute_prompt_keys_values(text_config: Any) -> bool:
     """Whether the prompt passes of a checkpointed training step should leave their layer inputs rather than their
     keys and values (see the module's docstring): where 2 x the hidden size is under 4 x the key/value width."""
-    heads = text_config.num_attention_heads
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    return 2 * text_config.hidden_size < 4 * kv_heads * head_dim
+    return 2 * text_config.hidden_size < 4 * key_value_width(text_config)
 
 
 @dataclass(frozen=True, eq=False)

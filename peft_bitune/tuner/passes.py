@@ -93,7 +93,7 @@ class BitunePasses:
             is_last = number == len(turns) - 1
             if turn.prefill.width > 0:
                 keys, values = self.read_twice(
-                    lambda: _pass_cache(cache, self.model, record=True, stop_after_last_record=self.stop_early),
+                    lambda: self._recording_cache(cache),
                     **turn.prefill.pass_inputs(sequence, None if cache is None else cache.mask),
                 )
                 cache = TrainingCache.extend(cache, keys, values, turn.prefill.mask)
@@ -115,11 +115,8 @@ class BitunePasses:
         inputs = turn.prefill.pass_inputs(sequence, None)
         left = {}
         for weight_set in (BIDIRECTIONAL, CAUSAL):
-            left[weight_set] = (
-                self._layer_calls(weight_set, inputs) if self.recompute_prompt else self._recorded_key_values(
-                    weight_set, _pass_cache(None, self.model, record=True, stop_after_last_record=self.stop_early),
-                    inputs)
-            )
+            left[weight_set] = (self._layer_calls(weight_set, inputs) if self.recompute_prompt
+                                else self._recorded_key_values(weight_set, self._recording_cache(None), inputs))
         prompt = self._mixes(left, turn.prefill.width)
         return self.answer_pass(turn.answer, sequence, recomputing_pass_cache(prompt), turn.prefill.mask, fused_head)
 
@@ -149,6 +146,11 @@ class BitunePasses:
         with capturing_layer_calls(decoder_layers, weights) as calls:
             self.prompt_pass(weight_set, _pass_cache(None, self.model, record=False), **inputs)
         return calls
+
+    def _recording_cache(self, cache: TrainingCache | None) -> Cache:
+        """A prompt pass's cache over what the batch has built so far, recording the pass (and ending it once its
+        last layer has recorded, where that is allowed)."""
+        return _pass_cache(cache, self.model, record=True, stop_after_last_record=self.stop_early)
 
     def _recorded_key_values(
         self, weight_set: WeightSet, cache: Cache, inputs: dict[str, torch.Tensor]

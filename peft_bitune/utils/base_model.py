@@ -1,5 +1,5 @@
 """What peft-bitune reads of a base model: its config's text part, its number of layers, how many positions a
-sequence may take, and its decoder stack."""
+sequence may take, the width of a token's keys (or values), and its decoder stack."""
 
 from __future__ import annotations
 
@@ -51,6 +51,13 @@ def slides_on_every_layer(config: Any) -> bool:
 def num_layers(model: Any) -> int:
     """The number of decoder layers, which is the number of key/value cache layers."""
     return text_config(model).num_hidden_layers
+
+
+def key_value_width(text_config: Any) -> int:
+    """The width of one token's keys (or values) at one layer: key/value heads x head size."""
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    return kv_heads * (getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
 
 
 def decoder_of(model: Any) -> Any:
