@@ -37,7 +37,7 @@ from ..constants import (
 from ..persistence.base_model_records import match_base_model
 from ..persistence.checkpoint_keys import checkpoint_key, loaded_adapter_state, saved_adapter_state
 from ..utils.base_model import max_positions, num_layers, text_config
-from . import generation
+from . import adapter_batches, generation
 from .caches import BituneCache
 from .checks import (
     Prompts,
@@ -63,6 +63,9 @@ from .passes import BitunePasses, answer_loss
 from .quantization import check_quantized_base, prepare_quantized_layers
 from .routing import LayerRouter
 from .sharding import check_sharding
+
+# Where `_enable_peft_forward_hooks` keeps the `adapter_names` of the PEFT call it wraps, for that call's tuner method.
+_ADAPTER_NAMES_OF_CALL = "_adapter_names_of_call"
 
 
 class BituneModel(BaseTuner):
@@ -336,6 +339,7 @@ class BituneModel(BaseTuner):
         num_items_in_batch: int | torch.Tensor | None = None,
         fused_lm_head: bool = False,
         shift_labels: torch.Tensor | None = None,
+        adapter_names: list[str] | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | Any:
         """
@@ -361,6 +365,8 @@ class BituneModel(BaseTuner):
                 log-probabilities of the labels instead of logits, scoring the answer positions only, in tiles. Rows
                 whose labels mark no answer token then score nothing, as with TRL's own head.
             shift_labels (`torch.Tensor`, *optional*): refused (labels pre-shifted for context parallelism).
+            adapter_names (`list[str]`, *optional*): one adapter name per row, as PEFT takes it (also through
+                `PeftModel.forward`): each row runs with its own adapter (`_mixed_forward`). Evaluation mode only.
             kwargs: other arguments of the model's forward. The three passes cover different parts of each row, so
                 none is handed on: `position_ids` are accepted when they are the ordinary positions every pass uses
                 anyway (0, 1, ... over each row's real tokens), `logits_to_keep` when 0; anything else (e.g. packed
@@ -374,6 +380,13 @@ class BituneModel(BaseTuner):
         """
         kwargs[compat.NEW_CACHE_NAME] = cache
         cache = compat.pop_cache(kwargs)  # `cache`, or its old name `past_key_values`
+        sequence = input_ids if input_ids is not None else inputs_embeds
+        groups = self._adapter_groups(adapter_names, None if sequence is None else sequence.shape[0])
+        if groups is not None:
+            return self._mixed_forward(groups, cache, kwargs, input_ids=input_ids, attention_mask=attention_mask,
+                                       inputs_embeds=inputs_embeds, labels=labels, prompt_mask=prompt_mask,
+                                       num_items_in_batch=num_items_in_batch, fused_lm_head=fused_lm_head,
+                                       shift_labels=shift_labels)
         disabled = self._adapters_disabled()
         if fused_lm_head:
             check_fused_call(labels, shift_labels, cache)
@@ -425,7 +438,11 @@ class BituneModel(BaseTuner):
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def prefill(
-        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, cache: BituneCache | None = None
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: BituneCache | None = None,
+        adapter_names: list[str] | None = None,
     ) -> BituneCache:
         """
         Read left-padded prompts twice and return the mixed cache of every prompt minus its last token.
@@ -444,9 +461,18 @@ class BituneModel(BaseTuner):
             input_ids (`torch.LongTensor` of shape (batch_size, seq_len)): the prompts, left-padded.
             attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
             cache (`BituneCache`, *optional*): the conversation to continue.
+            adapter_names (`list[str]`, *optional*): one adapter name per row: each row is read by its own adapter,
+                and the one cache holds every row (`_mixed_prefill`). Evaluation mode only.
         """
         check_token_ids(input_ids)
+        groups = self._adapter_groups(adapter_names, input_ids.shape[0])
+        if groups is not None:
+            return self._mixed_prefill(groups, input_ids, attention_mask, cache)
         prompts = self._checked_prompts(input_ids, attention_mask, cache)
+        return self._prefill_checked(prompts, cache)
+
+    def _prefill_checked(self, prompts: Prompts, cache: BituneCache | None) -> BituneCache:
+        """`prefill` of checked prompts, with the active adapter."""
         with generation.checkpointing_off(self._router.index.checkpoint_layers):
             if cache is None:
                 return generation.prefill_cache(self._passes(), prompts)
@@ -474,8 +500,13 @@ class BituneModel(BaseTuner):
         With `output_attentions=True`, the attentions of the first step cover only the last prompt token (query length
         1, over the mixed cache), not the whole prompt as with the base model: the rest of the prompt was read by the
         two prompt passes. `peft_bitune.visualize.attention_maps` returns the attention of those passes.
+
+        With `adapter_names` (one adapter name per prompt, as PEFT takes it, also through `PeftModel.generate`), each
+        prompt is answered by its own adapter (`_mixed_generate`).
         """
+        adapter_names = kwargs.pop("adapter_names", None)
         if self._adapters_disabled():
+            self._adapter_groups(adapter_names, None)  # taken and dropped: every row runs the base model
             cache = compat.pop_cache(kwargs)
             generation.refuse_bitune_cache_while_disabled(cache)
             if cache is not None:
@@ -493,6 +524,16 @@ class BituneModel(BaseTuner):
             )
         cache = compat.pop_cache(kwargs)
         check_token_ids(input_ids)
+        groups = self._adapter_groups(adapter_names, input_ids.shape[0])
+        if groups is not None:
+            return self._mixed_generate(groups, cache, kwargs)
+        prompts, generation_config = self._checked_generation(cache, kwargs)
+        return self._decode(prompts, cache, generation_config, kwargs)
+
+    def _checked_generation(self, cache: BituneCache | None, kwargs: dict[str, Any]) -> tuple[Prompts, Any]:
+        """The checked prompts and generation config of a `generate` call (`kwargs` holds `input_ids`), for the
+        active adapter."""
+        input_ids = kwargs["input_ids"]
         # transformers' own resolution and checks of the generation arguments, before the prompt passes run.
         generation_config = generation.checked_generation_config(self.model, kwargs)
         attention_mask = kwargs.get("attention_mask")
@@ -505,6 +546,12 @@ class BituneModel(BaseTuner):
             generation.max_length_is_set(self.model, kwargs),
             prompts.attention_mask,
         )
+        return prompts, generation_config
+
+    def _decode(
+        self, prompts: Prompts, cache: BituneCache | None, generation_config: Any, kwargs: dict[str, Any]
+    ) -> Any:
+        """`generate` of checked prompts, with the active adapter."""
         with generation.checkpointing_off(self._router.index.checkpoint_layers):
             return generation.decode(self._passes(), prompts, cache, generation_config, kwargs)
 
@@ -519,15 +566,186 @@ class BituneModel(BaseTuner):
         conversation going on by its cache (`BituneCache.checked_continuation`)."""
         if cache is None:
             return check_prompts(input_ids, attention_mask, self._position_limit, inputs_embeds)
+        self._bitune_cache(cache)
+        limit = self._position_limit
+        prompts = cache.checked_continuation(self.model, input_ids, attention_mask, limit, inputs_embeds)
+        generation.check_history_continuation(self.peft_config[self.active_adapter].multi_turn, cache, prompts)
+        return prompts
+
+    # ------------------------------------------------------------------ mixed-adapter batches
+    @contextmanager
+    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        """PEFT's hook around `PeftModel.forward` and `generate`, which drop `adapter_names` before calling the tuner:
+        the call inside takes them from here (`_adapter_groups`)."""
+        previous = self.__dict__.get(_ADAPTER_NAMES_OF_CALL)
+        self.__dict__[_ADAPTER_NAMES_OF_CALL] = kwargs.get("adapter_names")
+        try:
+            yield
+        finally:
+            self.__dict__[_ADAPTER_NAMES_OF_CALL] = previous
+
+    def _adapter_groups(self, adapter_names: Any, batch_size: int | None) -> list[adapter_batches.AdapterGroup] | None:
+        """The rows of a mixed-adapter batch grouped by adapter, checked; `None` for an ordinary call. The names come
+        as an argument or from PEFT's hook, and are taken once, so that the groups' own runs see none. With the
+        adapters disabled every row runs the base model, as in PEFT."""
+        from_hook = self.__dict__.pop(_ADAPTER_NAMES_OF_CALL, None)
+        adapter_names = from_hook if adapter_names is None else adapter_names
+        if adapter_names is None or self._adapters_disabled():
+            return None
+        if batch_size is None:
+            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+        return adapter_batches.adapter_groups(adapter_names, batch_size, list(self.peft_config), self.training)
+
+    @contextmanager
+    def _running(self, adapter_name: str) -> Iterator[None]:
+        """Run with `adapter_name` as the active adapter (its weight sets, mixing scalars and settings) without
+        touching `requires_grad`, as `set_adapter` would; restored on exit."""
+        previous = self.active_adapter
+        self.active_adapter = adapter_name
+        try:
+            with self._router.routed_to(self._inner_names(adapter_name)[CAUSAL]):
+                yield
+        finally:
+            self.active_adapter = previous
+
+    def _mixed_forward(
+        self,
+        groups: list[adapter_batches.AdapterGroup],
+        cache: Cache | None,
+        kwargs: dict[str, Any],
+        num_items_in_batch: int | torch.Tensor | None,
+        fused_lm_head: bool,
+        **inputs: Any,
+    ) -> CausalLMOutputWithPast:
+        """
+        The forward of a mixed-adapter batch: each group of rows runs the ordinary forward with its adapter, and the
+        logits go back in row order. The loss is the batch's, as for one adapter: every row's summed cross-entropy
+        over its supervised tokens, divided by the supervised tokens of the whole batch (or `num_items_in_batch`).
+        With `cache` (a continuation), each row continues its own rows of the cache, which is extended in place.
+        """
+        if fused_lm_head:
+            raise ValueError(
+                "`adapter_names` cannot be combined with `fused_lm_head=True` (TRL's training head): run each "
+                "adapter's rows in a batch of their own, after `set_adapter`."
+            )
+        batch_size = (inputs["input_ids"] if inputs["input_ids"] is not None else inputs["inputs_embeds"]).shape[0]
+        labels = inputs["labels"]
+        if labels is not None and num_items_in_batch is None and cache is None:
+            num_items_in_batch = adapter_batches.supervised_count(
+                labels, inputs["attention_mask"], inputs["prompt_mask"]
+            )
+        parts = []
+        for group in groups:
+            group_inputs = adapter_batches.split_arguments(inputs, group.rows)
+            group_kwargs = adapter_batches.split_arguments(kwargs, group.rows)
+            part_cache = None if cache is None else adapter_batches.cache_rows(self._bitune_cache(cache), group.rows)
+            with self._running(group.adapter):
+                output = self.forward(**group_inputs, **group_kwargs, cache=part_cache,
+                                      num_items_in_batch=num_items_in_batch)
+            parts.append((group, output, part_cache))
+        logits = adapter_batches.scatter_rows([(group.rows, output.logits) for group, output, _ in parts], batch_size)
+        losses = [output.loss for _, output, _ in parts if output.loss is not None]
+        if cache is not None:
+            adapter_batches.merge_caches(cache, [(group.rows, part) for group, _, part in parts], batch_size)
+            return CausalLMOutputWithPast(logits=logits, **{compat.CACHE_NAME: cache})
+        return CausalLMOutputWithPast(loss=sum(losses) if losses else None, logits=logits)
+
+    def _mixed_prefill(
+        self,
+        groups: list[adapter_batches.AdapterGroup],
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: BituneCache | None,
+    ) -> BituneCache:
+        """`prefill` of a mixed-adapter batch: each group of rows is read by its adapter, every group checked before
+        any is read, and the one cache returned (or `cache`, extended in place) holds every row."""
+        batch_size = input_ids.shape[0]
+        plans = []
+        for group in groups:
+            part = None if cache is None else adapter_batches.cache_rows(self._bitune_cache(cache), group.rows)
+            rows = adapter_batches.split_arguments({"input_ids": input_ids, "attention_mask": attention_mask},
+                                                   group.rows)
+            with self._running(group.adapter):
+                plans.append((group, part, self._checked_prompts(rows["input_ids"], rows["attention_mask"], part)))
+        parts = []
+        for group, part, prompts in plans:
+            with self._running(group.adapter):
+                parts.append((group.rows, self._prefill_checked(prompts, part)))
+        target = cache if cache is not None else BituneCache(config=self.model.config, owner=self.model)
+        adapter_batches.merge_caches(target, parts, batch_size)
+        return target
+
+    def _mixed_generate(
+        self, groups: list[adapter_batches.AdapterGroup], cache: BituneCache | None, kwargs: dict[str, Any]
+    ) -> Any:
+        """
+        `generate` of a mixed-adapter batch: each group of prompts is answered by its adapter, every group checked
+        before any is read; the sequences go back in row order, those of groups that stopped earlier padded on the
+        right with the pad token. A returned or continued cache holds every row: a group that stopped earlier is fed
+        its padding, as `generate` feeds the finished rows of a batch, so that the conversation can go on.
+        """
+        batch_size = kwargs["input_ids"].shape[0]
+        plans = []
+        for group in groups:
+            part = None if cache is None else adapter_batches.cache_rows(self._bitune_cache(cache), group.rows)
+            group_kwargs = adapter_batches.split_arguments(kwargs, group.rows)
+            with self._running(group.adapter):
+                prompts, generation_config = self._checked_generation(part, group_kwargs)
+            adapter_batches.check_mixed_generation(kwargs, generation_config, len(groups))
+            plans.append((group, part, prompts, generation_config, group_kwargs))
+        outputs = []
+        for group, part, prompts, generation_config, group_kwargs in plans:
+            with self._running(group.adapter):
+                outputs.append(self._decode(prompts, part, generation_config, group_kwargs))
+        return self._merged_generation(plans, outputs, cache, batch_size)
+
+    def _merged_generation(self, plans: list[tuple], outputs: list[Any], cache: BituneCache | None, batch_size: int):
+        """The outputs of `_mixed_generate`'s groups as one output, in row order (see there)."""
+        sequences = [output.sequences if hasattr(output, "sequences") else output for output in outputs]
+        width = max(s.shape[1] for s in sequences)
+        per_row = sequences[0].shape[0] // len(plans[0][0].rows)
+        pad_token_id = adapter_batches.pad_token_of(plans[0][3], [s.shape[1] for s in sequences])
+        rows = [adapter_batches.expanded_rows(group.rows, per_row) for group, *_ in plans]
+        padded = [adapter_batches.pad_columns(s, width, pad_token_id) for s in sequences]
+        merged = adapter_batches.scatter_rows(list(zip(rows, padded)), batch_size * per_row)
+        returns_dict = hasattr(outputs[0], "sequences")
+        caches = [part for _, part, *_ in plans] if cache is not None else None
+        if returns_dict:
+            caches = [compat.output_cache(output) for output in outputs]
+        merged_cache = None
+        if caches is not None:
+            for (group, *_), part, full in zip(plans, caches, padded):
+                if part.conversation_length < width:
+                    with self._running(group.adapter):
+                        self._feed_padding(part, full)
+            merged_cache = cache
+            if merged_cache is None:
+                merged_cache = copy.copy(caches[0])
+                merged_cache.layers = list(caches[0].layers)
+            adapter_batches.merge_caches(merged_cache, list(zip(rows, caches)), batch_size * per_row)
+        if not returns_dict:
+            return merged
+        return adapter_batches.merged_output(outputs, rows, merged, merged_cache, batch_size * per_row)
+
+    @torch.no_grad()
+    def _feed_padding(self, cache: BituneCache, sequences: torch.Tensor) -> None:
+        """Extend `cache`, whose conversation ends before `sequences` does, by the columns it lacks (the last token it
+        was never fed, then padding), read causally as `generate` feeds the finished rows of a batch (attention 1)."""
+        start, end = cache.get_seq_length(), sequences.shape[1] - 1
+        fed = sequences.shape[1] - cache.conversation_length
+        mask = torch.cat([cache.conversation_mask.long(), sequences.new_ones(sequences.shape[0], fed)], dim=1)
+        generation.run_causally(self._passes(), cache, {"input_ids": sequences[:, start:end]}, mask, start, end)
+        cache.remember_conversation(sequences, mask)
+
+    @staticmethod
+    def _bitune_cache(cache: Any) -> BituneCache:
+        """`cache` when it is a Bitune cache (a conversation to continue); refused otherwise."""
         if not isinstance(cache, BituneCache):
             raise ValueError(
                 f"`cache` must be the cache of an earlier Bitune `generate` or `prefill` of this model "
                 f"(a BituneCache), got {type(cache).__name__}. Bitune needs to know where the previous answer ends."
             )
-        limit = self._position_limit
-        prompts = cache.checked_continuation(self.model, input_ids, attention_mask, limit, inputs_embeds)
-        generation.check_history_continuation(self.peft_config[self.active_adapter].multi_turn, cache, prompts)
-        return prompts
+        return cache
 
     # ------------------------------------------------------------------ checkpoint keys (PEFT's hooks)
     @classmethod

@@ -1,0 +1,327 @@
+"""Mixed-adapter batches (PEFT's `adapter_names`): every row gets exactly what its own adapter gives it, in the
+forward (logits and loss), `prefill` and `generate`, multi-turn included, with two and three adapters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from peft_bitune import BituneConfig, compat
+from reference import left_padded, make_bitune, padded_batch, reference_greedy, reference_prefill, reference_row
+from test_multi_turn import ROWS, make_conversations, reference_alternating
+from tiny_models import VOCAB
+
+# Adapters that differ in weights, mixing scalars and settings, so that a row run with the wrong one fails.
+ADAPTERS = {
+    "default": {},
+    "other": dict(second_pass_attention="causal", mix_scale=0.02),
+    "third": dict(shared_weights=True, mixed_layers=[1]),
+}
+# Rows of the same adapter are not neighbours, and the first row is not the active adapter's.
+ROUTES = {
+    2: ["other", "default", "other", "default"],
+    3: ["third", "default", "other", "third"],
+}
+GREEDY = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def with_adapters(base, count: int):
+    """A Bitune model with `count` adapters of `ADAPTERS`, each with random weights and mixing scalars; `default`
+    active."""
+    model = make_bitune(base)
+    for seed, (name, settings) in enumerate(list(ADAPTERS.items())[1:count], start=1):
+        torch.manual_seed(seed)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        model.add_adapter(name, BituneConfig(adapter_config=lora, **settings))
+        with torch.no_grad():
+            model.base_model.bitune_mixers[name].key_weights.uniform_(0.002, 0.2)
+            model.base_model.bitune_mixers[name].value_weights.uniform_(0.002, 0.2)
+    model.set_adapter("default")
+    return model.eval()
+
+
+def rows_by_adapter(names: list[str]) -> dict[str, list[int]]:
+    return {name: [i for i, n in enumerate(names) if n == name] for name in dict.fromkeys(names)}
+
+
+def alone(model, name: str, run):
+    """`run()` with `name` active (`set_adapter`), then `default` again."""
+    model.set_adapter(name)
+    try:
+        return run()
+    finally:
+        model.set_adapter("default")
+
+
+def select(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def second_pass_causal(name: str) -> bool:
+    return ADAPTERS[name].get("second_pass_attention") == "causal"
+
+
+# ------------------------------------------------------------------------------------------------------- forward
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_forward_rows_equal_each_adapter_alone_and_the_per_row_reference(load_base, arch, padding_side, count):
+    model = with_adapters(load_base(arch), count)
+    names = ROUTES[count]
+    rows, batch, _ = padded_batch(padding_side, VOCAB)
+    prompt_lengths = [1, 3, 7, 9]
+    with torch.no_grad():
+        out = model(**batch, adapter_names=names)
+        direct = model.base_model(**batch, adapter_names=names)  # the tuner takes them as PEFT's forward does
+        assert torch.equal(out.logits, direct.logits)
+        loss_sum, supervised = 0.0, 0
+        for name, group in rows_by_adapter(names).items():
+            own = alone(model, name, lambda group=group: model(**select(batch, group)))
+            assert torch.equal(out.logits[group], own.logits)
+            for i in group:
+                logits, row_loss = alone(model, name, lambda i=i: reference_row(
+                    model, rows[i], prompt_lengths[i], second_pass_causal(name)))
+                start = int(batch["attention_mask"][i].argmax())
+                got = out.logits[i, start + prompt_lengths[i] - 1 : start + len(rows[i])]
+                torch.testing.assert_close(got, logits, atol=1e-5, rtol=0)
+                for other in set(names) - {name}:  # the adapters give this row different logits
+                    other_logits, _ = alone(model, other, lambda i=i, other=other: reference_row(
+                        model, rows[i], prompt_lengths[i], second_pass_causal(other)))
+                    assert (other_logits - logits).abs().max() > 1e-3
+                loss_sum, supervised = loss_sum + row_loss, supervised + len(rows[i]) - prompt_lengths[i]
+    # The loss of a mixed batch is that of one batch: every supervised token of every row, averaged over them all.
+    torch.testing.assert_close(out.loss, loss_sum / supervised, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        given = model(**batch, adapter_names=names, num_items_in_batch=7)
+    torch.testing.assert_close(given.loss, loss_sum / 7, atol=1e-5, rtol=0)
+
+
+def test_mixed_loss_with_a_prompt_mask_and_one_adapter_named_for_every_row_is_the_ordinary_loss(load_base):
+    model = with_adapters(load_base("qwen2"), 2)
+    _, batch, prompt_mask = padded_batch("right", VOCAB)
+    batch["labels"] = batch["input_ids"].clone()  # labels everywhere: the prompt mask sets the boundary
+    with torch.no_grad():
+        plain = alone(model, "other", lambda: model(**batch, prompt_mask=prompt_mask))
+        named = model(**batch, prompt_mask=prompt_mask, adapter_names=["other"] * 4)
+    assert torch.equal(named.logits, plain.logits)
+    torch.testing.assert_close(named.loss, plain.loss, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_multi_turn_forward_rows_equal_each_adapter_alone_and_the_alternating_reference(load_base, count):
+    model = with_adapters(load_base("llama"), count)
+    names = ROUTES[count]
+    rows, batch = make_conversations("left")
+    with torch.no_grad():
+        out = model(**batch, adapter_names=names)
+        loss_sum = 0.0
+        for name, group in rows_by_adapter(names).items():
+            own = alone(model, name, lambda group=group: model(**select(batch, group)))
+            assert torch.equal(out.logits[group], own.logits)
+            if not second_pass_causal(name):  # the alternating reference reads each instruction bidirectionally
+                for i in group:
+                    turns, trailing = ROWS[i]
+                    row_loss, _ = alone(model, name, lambda i=i, turns=turns, trailing=trailing: reference_alternating(
+                        model, rows[i], turns, trailing))
+                    loss_sum = loss_sum + row_loss
+            else:
+                loss_sum = loss_sum + own.loss * int((batch["labels"][group] != -100).sum())
+    total = int((batch["labels"] != -100).sum())
+    torch.testing.assert_close(out.loss, loss_sum / total, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- prefill, generate
+def prompts(seed: int, lengths: list[int]) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator) for n in lengths]
+
+
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_prefill_holds_each_rows_mix_by_its_adapter_and_decoding_from_it_continues_each_row(load_base, arch, count):
+    model = with_adapters(load_base(arch), count)
+    names = ROUTES[count]
+    rows = prompts(7, [5, 11, 2, 8])
+    batch = left_padded(rows)
+    cache = model.base_model.prefill(**batch, adapter_names=names)
+    assert cache.get_seq_length() == batch["input_ids"].shape[1] - 1
+    for name, group in rows_by_adapter(names).items():
+        for i in group:
+            causal = second_pass_causal(name)
+            expected = alone(model, name, lambda i=i: reference_prefill(model, rows[i][None], causal))
+            for layer, ref_layer in zip(cache.layers, expected.layers):
+                kept = ref_layer.keys.shape[-2]  # a sliding layer keeps only its window
+                torch.testing.assert_close(layer.keys[i : i + 1, :, -kept:], ref_layer.keys, atol=1e-5, rtol=0)
+                torch.testing.assert_close(layer.values[i : i + 1, :, -kept:], ref_layer.values, atol=1e-5, rtol=0)
+    # Decoding steps by forward calls over the mixed cache: each row continues with its own causal weights.
+    rest = torch.cat([batch["input_ids"][:, -1:], torch.randint(3, VOCAB, (4, 2))], dim=1)
+    mask = torch.cat([batch["attention_mask"], torch.ones(4, 2, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=rest, attention_mask=mask, cache=cache, adapter_names=names,
+                       position_ids=(mask.cumsum(1) - 1)[:, -3:]).logits
+        assert cache.get_seq_length() == mask.shape[1]
+        for name, group in rows_by_adapter(names).items():
+            def own(group=group):
+                group_cache = model.base_model.prefill(**select(batch, group))
+                return model(input_ids=rest[group], attention_mask=mask[group], cache=group_cache,
+                             position_ids=(mask[group].cumsum(1) - 1)[:, -3:]).logits
+            assert torch.equal(logits[group], alone(model, name, own))
+
+
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_rows_equal_each_adapter_alone_and_the_reference(load_base, arch, count):
+    model = with_adapters(load_base(arch), count)
+    names = ROUTES[count]
+    rows = prompts(3, [9, 1, 4, 12])
+    batch = left_padded(rows)
+    out = model.generate(**batch, **GREEDY, adapter_names=names)
+    width = batch["input_ids"].shape[1]
+    for name, group in rows_by_adapter(names).items():
+        own = alone(model, name, lambda group=group: model.generate(**select(batch, group), **GREEDY))
+        assert torch.equal(out[group], own)
+        for i in group:
+            if not second_pass_causal(name):  # the greedy reference reads the prompt bidirectionally
+                expected = alone(model, name, lambda i=i: reference_greedy(model, rows[i], GREEDY["max_new_tokens"]))
+                assert out[i, width:].tolist() == expected
+    everyone = {name: alone(model, name, lambda: model.generate(**batch, **GREEDY)) for name in set(names)}
+    differs = [i for i, name in enumerate(names) if any(
+        not torch.equal(everyone[name][i], everyone[other][i]) for other in set(names) - {name})]
+    assert len(differs) >= 2  # wrong routing would show
+
+
+def test_beam_search_and_several_return_sequences_rows_equal_each_adapter_alone(load_base):
+    model = with_adapters(load_base("qwen2"), 3)
+    names = ["other", "third", "default"]
+    batch = left_padded(prompts(11, [3, 8, 6]))
+    settings = dict(max_new_tokens=4, num_beams=3, num_return_sequences=2, do_sample=False, eos_token_id=None,
+                    pad_token_id=0, return_dict_in_generate=True)
+    out = model.generate(**batch, **settings, adapter_names=names)
+    assert out.sequences.shape[0] == 6
+    for name, group in rows_by_adapter(names).items():
+        own = alone(model, name, lambda group=group: model.generate(**select(batch, group), **settings))
+        returned = [2 * i + j for i in group for j in range(2)]
+        assert torch.equal(out.sequences[returned], own.sequences)
+        for layer, own_layer in zip(compat.output_cache(out).layers, compat.output_cache(own).layers):
+            assert torch.equal(layer.keys[returned], own_layer.keys)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_a_mixed_chat_goes_on_turn_after_turn_as_each_adapter_alone(load_base, count):
+    """Two turns of `generate` and a `prefill` of a third instruction, each from the mixed cache of the turn before;
+    every row as its adapter gives it alone, through the same turns."""
+    model = with_adapters(load_base("llama"), count)
+    names = ROUTES[count]
+    batch = left_padded(prompts(5, [4, 9, 2, 6]))
+    second = left_padded(prompts(6, [3, 1, 5, 2]))
+    third = left_padded(prompts(8, [2, 4, 4, 3]))
+    settings = dict(GREEDY, return_dict_in_generate=True)
+
+    def chat(run_batch, names=None):
+        extra = {} if names is None else {"adapter_names": names}
+        out = model.generate(**run_batch(batch), **settings, **extra)
+        cache = compat.output_cache(out)
+        turn = {key: torch.cat([out.sequences if key == "input_ids" else cache.conversation_mask.long(), value], 1)
+                for key, value in run_batch(second).items()}
+        out2 = model.generate(**turn, cache=cache, **settings, **extra)
+        assert compat.output_cache(out2) is cache  # extended in place
+        turn3 = {key: torch.cat([out2.sequences if key == "input_ids" else cache.conversation_mask.long(), value], 1)
+                 for key, value in run_batch(third).items()}
+        model.base_model.prefill(**turn3, cache=cache, **extra)
+        return out.sequences, out2.sequences, cache
+
+    mixed = chat(lambda b: b, names)
+    for name, group in rows_by_adapter(names).items():
+        own = alone(model, name, lambda group=group: chat(lambda b: select(b, group)))
+        assert torch.equal(mixed[0][group], own[0])
+        assert torch.equal(mixed[1][group], own[1])
+        assert mixed[2].get_seq_length() == own[2].get_seq_length()
+        for layer, own_layer in zip(mixed[2].layers, own[2].layers):
+            assert torch.equal(layer.keys[group], own_layer.keys)
+            assert torch.equal(layer.values[group], own_layer.values)
+        assert torch.equal(mixed[2].conversation_ids[group], own[2].conversation_ids)
+
+
+def test_groups_that_stop_early_are_padded_and_fed_their_padding_as_generate_feeds_finished_rows(load_base):
+    """One adapter's row meets its EOS token early: its sequence is padded with the pad token to the batch's width,
+    and the cache goes on as decoding the row alone and then feeding it the padding by forward calls would."""
+    model = with_adapters(load_base("llama"), 2)
+    names = ["other", "default", "default"]
+    batch = left_padded(prompts(11, [5, 5, 5]))  # equal lengths: forward calls then take the same positions
+    free = model.generate(**batch, **GREEDY, adapter_names=names)[:, 5:]
+    # The EOS token: one the `other` row gives first at its second or third step, and the `default` rows never.
+    stop = next(k for k in (1, 2) if int(free[0, k]) not in free[0, :k].tolist() + free[1:].flatten().tolist())
+    settings = dict(GREEDY, eos_token_id=int(free[0, stop]), pad_token_id=1, return_dict_in_generate=True)
+    out = model.generate(**batch, **settings, adapter_names=names)
+    assert out.sequences.shape[1] == 10
+    assert out.sequences[0, 5:].tolist() == free[0, : stop + 1].tolist() + [1] * (4 - stop)
+
+    def own():
+        first = model.generate(**select(batch, [0]), **settings)
+        cache = compat.output_cache(first)
+        padded = torch.cat([first.sequences, torch.ones(1, 4 - stop, dtype=torch.long)], dim=1)
+        with torch.no_grad():
+            model(input_ids=padded[:, 5 + stop : 9], cache=cache)  # the last answer token, then the padding
+        cache.record_conversation(padded, torch.ones_like(padded))
+        return cache
+
+    cache, own_cache = compat.output_cache(out), alone(model, "other", own)
+    assert cache.get_seq_length() == own_cache.get_seq_length() == 9
+    for layer, own_layer in zip(cache.layers, own_cache.layers):
+        torch.testing.assert_close(layer.keys[:1], own_layer.keys, atol=1e-6, rtol=0)
+    # The next turn, with the padding dropped from the attention, as for any batch whose rows ended early.
+    new = torch.randint(3, VOCAB, (3, 3), generator=torch.Generator().manual_seed(4))
+    mask = torch.cat([(out.sequences != 1).long(), torch.ones_like(new)], dim=1)
+    conversation = torch.cat([out.sequences, new], dim=1)
+    turn = model.generate(input_ids=conversation, attention_mask=mask, cache=cache, **settings, adapter_names=names)
+    own_turn = alone(model, "other", lambda: model.generate(
+        input_ids=conversation[:1], attention_mask=mask[:1], cache=own_cache, **settings))
+    assert turn.sequences[0, : own_turn.sequences.shape[1]].tolist() == own_turn.sequences[0].tolist()
+
+
+# ------------------------------------------------------------------------------------------------- refusals, hooks
+def test_bad_adapter_names_are_refused_in_one_line_before_any_compute(load_base):
+    model = with_adapters(load_base("llama"), 2)
+    rows, batch, _ = padded_batch("right", VOCAB)
+    prompt_batch = left_padded(prompts(3, [2, 3, 4, 5]))
+    cases = [
+        (dict(adapter_names=["default", "nope", "other", "other"]), r"adapters \['nope'\] that this model does not"),
+        (dict(adapter_names=["default", "other"]), "has 2 names for a batch of 4 rows"),
+        (dict(adapter_names="other"), "one adapter name per row, got str"),
+        (dict(adapter_names=["__base__", "other", "other", "other"]), "'__base__'.*disable_adapter"),
+    ]
+    for arguments, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            model(**batch, **arguments)
+        with pytest.raises((ValueError, TypeError), match=message):
+            model.generate(**prompt_batch, **GREEDY, **arguments)
+        with pytest.raises((ValueError, TypeError), match=message):
+            model.base_model.prefill(**prompt_batch, **arguments)
+    names = ["default", "other", "other", "default"]
+    for arguments, message in [
+        (dict(output_scores=True, return_dict_in_generate=True), "`output_scores=True` is not supported"),
+        (dict(streamer=object()), "`streamer` cannot follow"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            model.generate(**prompt_batch, **GREEDY, **arguments, adapter_names=names)
+    with pytest.raises(ValueError, match="`fused_lm_head=True`"):
+        model(**batch, adapter_names=names, fused_lm_head=True)
+    model.train()
+    with pytest.raises(ValueError, match="training mode"):
+        model(**batch, adapter_names=names)
+
+
+def test_adapter_names_apply_to_their_own_call_only(load_base):
+    model = with_adapters(load_base("llama"), 2)
+    batch = left_padded(prompts(3, [2, 3, 4, 5]))
+    plain = model.generate(**batch, **GREEDY)
+    with pytest.raises(ValueError, match="does not have"):
+        model.generate(**batch, **GREEDY, adapter_names=["x"] * 4)
+    model.generate(**batch, **GREEDY, adapter_names=["other"] * 4)
+    assert torch.equal(model.generate(**batch, **GREEDY), plain)
+    assert model.base_model.active_adapter == "default"
+    with model.disable_adapter():  # the base model for every row, as in PEFT
+        base = model.generate(**batch, **GREEDY, adapter_names=["other"] * 4)
+        assert torch.equal(base, model.generate(**batch, **GREEDY))
+    assert not torch.equal(base, plain)
