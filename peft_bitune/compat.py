@@ -279,6 +279,7 @@ OVERRIDDEN_TUNER_HOOKS = (
     "_check_target_module_exists",
     "_create_and_replace",
     "_check_merge_allowed",
+    "supports_lora_conversion",
     "_get_adapter_state_dict",
     "_remove_adapter_name_from_key",
     "_remap_adapter_state_dict_for_load",

@@ -104,7 +104,22 @@ def loaded_adapter_state(
         _forget_refused_adapter(model, adapter_name, config)
         raise
     vars(config).pop(_ADDED_TO_LOAD, None)
-    return remapped
+    return _placed_for_meta_scalars(model, remapped, model_state)
+
+
+def _placed_for_meta_scalars(
+    model: nn.Module, remapped: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Under `low_cpu_mem_usage`, PEFT assigns the loaded tensors instead of copying them and then moves the tuner
+    layers' weights next to their base layers; the mixing scalars, made on the meta device, are placed here on the
+    base model's device (where they are made without `low_cpu_mem_usage`)."""
+    if not any(model_state[key].is_meta for key in remapped if f".{MIXERS_ATTRIBUTE}." in f".{key}"):
+        return remapped
+    device = next(parameter.device for parameter in model.parameters() if not parameter.is_meta)
+    return {
+        key: value.to(device) if f".{MIXERS_ATTRIBUTE}." in f".{key}" and model_state[key].is_meta else value
+        for key, value in remapped.items()
+    }
 
 
 def saved_mixing_scalars(weights_path: str) -> dict[str, torch.Tensor]:

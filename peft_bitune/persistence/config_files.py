@@ -23,6 +23,7 @@ from typing import Any
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
 from .. import compat
+from ..constants import is_bitune_type, peft_type_name
 from .checkpoint_keys import mark_added_to_load
 from .model_card import write_model_card
 from .weights_files import check_adapter_weights, warn_if_two_weights_files
@@ -41,6 +42,15 @@ class BituneConfigFileMixin:
     def check_kwargs(cls, **kwargs: Any) -> dict[str, Any]:
         """Refuse fields of `adapter_config.json` unknown to this peft-bitune; drop those of `adapter_config`
         unknown to this PEFT, with PEFT's warning."""
+        peft_type = kwargs.get("peft_type")
+        if peft_type is not None and not is_bitune_type(peft_type):
+            # Another method's fields would otherwise be listed as unknown, with advice to upgrade peft-bitune.
+            name = peft_type_name(peft_type)
+            raise ValueError(
+                f"This adapter_config.json holds a {name} adapter (\"peft_type\": \"{name}\"), not a Bitune one: "
+                f"read it with `PeftConfig.from_pretrained` (or {name}'s own config class), and load the adapter with "
+                "`PeftModel.from_pretrained`, which picks the class from its type."
+            )
         unknown = _unknown_fields(cls, kwargs)
         if unknown:
             # This version cannot tell what a field it does not know does; every Bitune field changes the forward pass.

@@ -69,6 +69,8 @@ def check_adapter_weights(model_id: str, subfolder: str | None = None, **hub_kwa
     if os.path.isdir(folder):
         _check_local_weights(folder)
         return
+    if subfolder and huggingface_hub.constants.HF_HUB_OFFLINE:
+        subfolder = _offline_subfolder(model_id, subfolder, hub_kwargs)
     for name in (SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME):  # the file PEFT reads: safetensors if the repo has it
         if _in_repo(model_id, subfolder, name, hub_kwargs):
             _check_weights_file(
@@ -85,6 +87,25 @@ def check_adapter_weights(model_id: str, subfolder: str | None = None, **hub_kwa
         f"{_named(subfolder, SAFETENSORS_WEIGHTS_NAME)} (nor {_named(subfolder, WEIGHTS_NAME)}){revision}. Nothing "
         "was loaded. Check the repo id, revision and subfolder"
         + (", or download the adapter while online." if offline else ".")
+    )
+
+
+def _offline_subfolder(model_id: str, subfolder: str, hub_kwargs: dict[str, Any]) -> str:
+    """
+    The folder of a Hub repo in which PEFT's loader looks for the weights offline: it names the file with the
+    subfolder and passes the subfolder as well (peft 0.21), so it looks in `<subfolder>/<subfolder>`. Where the cache
+    holds no weights there, PEFT would fail after adding the adapter: refused here, before, with the way round it.
+    """
+    doubled = f"{subfolder}/{subfolder}"
+    if any(_in_repo(model_id, doubled, name, hub_kwargs) for name in (SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME)):
+        return doubled
+    raise ValueError(
+        f"Cannot load the Bitune adapter '{model_id}' from its subfolder '{subfolder}' offline: PEFT's loader looks "
+        f"for the weights offline at '{doubled}/{SAFETENSORS_WEIGHTS_NAME}' (the subfolder named twice), which the "
+        "Hugging Face cache does not hold, and would fail after adding the adapter. Nothing was loaded. Load the "
+        f"cached snapshot by its path instead: `load_adapter(huggingface_hub.snapshot_download({model_id!r}, "
+        f"local_files_only=True), subfolder={subfolder!r}, ...)` (the same for `PeftModel.from_pretrained`), or "
+        "load it online."
     )
 
 

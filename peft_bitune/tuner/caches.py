@@ -316,6 +316,21 @@ class BituneCache(DynamicCache):
         for layer_idx, (layer_keys, layer_values) in enumerate(zip(keys, values)):
             self.update(layer_keys, layer_values, layer_idx)
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows `indices` (repeats allowed): their keys/values (each layer's own selection) and their
+        record of the conversation, so that the next turn continues exactly these rows, as if they had run alone."""
+        super().batch_select_indices(indices)
+        if self.conversation_ids is not None:
+            self.conversation_ids = self.conversation_ids[indices.to(self.conversation_ids.device)]
+            self.conversation_mask = self.conversation_mask[indices.to(self.conversation_mask.device)]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row `repeats` times in place (e.g. for `num_beams`), its record of the conversation too."""
+        super().batch_repeat_interleave(repeats)
+        if self.conversation_ids is not None:
+            self.conversation_ids = self.conversation_ids.repeat_interleave(repeats, dim=0)
+            self.conversation_mask = self.conversation_mask.repeat_interleave(repeats, dim=0)
+
     def belongs_to(self, model: torch.nn.Module) -> bool:
         """Whether this cache was made by `model` (the keys of another model would fit its shapes by accident)."""
         return self._owner is not None and self._owner() is model

@@ -29,6 +29,10 @@ _REFUSED_METHODS = {
 }
 
 
+# `init_lora_weights` values (or prefixes) with which LoRA changes the base layer's weights as it makes an adapter.
+_INITS_CHANGING_THE_BASE = ("pissa", "olora", "corda", "loftq")
+
+
 def check_mixed_layers(layers: list[int]) -> list[int]:
     """`mixed_layers` as a sorted list, refused if empty, negative or repeated (the type is checked already)."""
     if len(layers) == 0:
@@ -200,6 +204,17 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
                 "`adapter_config` cannot use `modules_to_save` or `trainable_token_indices`: such modules are not "
                 "split into causal and bidirectional weight sets, and PEFT would leave them out of the checkpoint."
             )
+        init = getattr(adapter_config, "init_lora_weights", None)
+        if (isinstance(init, str) and init.startswith(_INITS_CHANGING_THE_BASE)) or getattr(
+            adapter_config, "kasa_config", None
+        ):
+            what = f"`init_lora_weights={init!r}`" if isinstance(init, str) else "KaSA (`kasa_config`)"
+            raise ValueError(
+                f"`adapter_config` with {what} cannot be used: it changes the base model's weights when a weight set "
+                "is made, and a Bitune adapter makes two, so the second would change them again and neither set "
+                "would start from the base model (PEFT refuses such adapters next to others too). Use another "
+                "`init_lora_weights`, e.g. the default (True) or 'gaussian'."
+            )
         if peft_type in _REFUSED_METHODS:
             raise ValueError(
                 f"`adapter_config` of type {peft_type} cannot be used: {_REFUSED_METHODS[peft_type]}. Use LoRA, DoRA "
@@ -225,6 +240,19 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
     def weight_sets(self) -> tuple[WeightSet, ...]:
         """The weight sets this adapter creates: both, or only the causal one with `shared_weights`."""
         return (CAUSAL,) if self.shared_weights else WEIGHT_SETS
+
+    def __getattr__(self, name: str) -> Any:
+        """Name what a Bitune config lacks where PEFT asks it of every config, e.g. `target_modules` (PEFT's
+        `convert_to_lora` does): the inner method's modules are under `adapter_config`."""
+        if name == "target_modules":
+            raise AttributeError(
+                "A `BituneConfig` has no `target_modules`: its two weight sets target "
+                "`adapter_config.target_modules`. "
+                "(PEFT's `convert_to_lora` asks for it: a Bitune adapter cannot be converted to LoRA, since no LoRA "
+                "of the base model reads the prompt twice and mixes the two caches; `supports_lora_conversion()` is "
+                "False.)"
+            )
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as JSON-ready data, with the inner method's config nested as its own dict."""

@@ -12,6 +12,7 @@ The route of the inputs through these modules is in the package's docstring (`tu
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -135,11 +136,13 @@ class BituneModel(BaseTuner):
         self._router.forget()
         if MIXERS_ATTRIBUTE not in dict(self.named_children()):
             self.add_module(MIXERS_ATTRIBUTE, nn.ModuleDict())
-        device = next(p.device for p in model.parameters())
-        self.bitune_mixers[adapter_name] = BituneKVMixer(
-            num_layers(model), config.mix_init, config.mix_scale, mixed_layers=config.mixed_layers
-        ).to(device)
-        self._router.route_to(self._inner_names(self.active_adapter)[CAUSAL])
+        mixer = BituneKVMixer(num_layers(model), config.mix_init, config.mix_scale, mixed_layers=config.mixed_layers)
+        # Under PEFT's `low_cpu_mem_usage` the scalars are made on the meta device, like the inner weights: loading
+        # assigns the checkpoint's tensors (placed by `checkpoint_keys.loaded_adapter_state`).
+        if not any(parameter.is_meta for parameter in mixer.parameters()):
+            mixer = mixer.to(next(p.device for p in model.parameters()))
+        self.bitune_mixers[adapter_name] = mixer
+        self._route_to_active()
         self._apply_trainable_state()
 
     def _inner_names(self, adapter_name: str) -> dict[WeightSet, str]:
@@ -186,6 +189,7 @@ class BituneModel(BaseTuner):
         adapter; restores the previous routing on exit."""
         if weight_set not in WEIGHT_SETS:
             raise ValueError(f"`weight_set` must be one of {WEIGHT_SETS}, got {weight_set!r}.")
+        self._check_has_active_adapter()
         with self._router.routed_to(self._inner_names(self.active_adapter)[weight_set], within=decoder_layer):
             yield
 
@@ -193,21 +197,35 @@ class BituneModel(BaseTuner):
     @property
     def mixer(self) -> BituneKVMixer:
         """The mixing scalars of the active adapter."""
+        self._check_has_active_adapter()
         return self.bitune_mixers[self.active_adapter]
 
     def get_mixing_coefficients(self, adapter_name: str | None = None) -> dict[str, torch.Tensor]:
         """The alphas of an adapter (the active one by default): `{"keys": (num_layers,), "values": (num_layers,)}`,
         detached, float32."""
-        adapter_name = self.active_adapter if adapter_name is None else adapter_name
+        if adapter_name is None:
+            self._check_has_active_adapter()
+            adapter_name = self.active_adapter
         self._check_adapter_exists(adapter_name)
         key_alpha, value_alpha = self.bitune_mixers[adapter_name].coefficients()
         return {"keys": key_alpha.detach(), "values": value_alpha.detach()}
+
+    def _check_has_active_adapter(self) -> None:
+        if not self._has_active_adapter():
+            raise ValueError(
+                "This Bitune model has no active adapter (the last one was deleted): only `forward` and `generate` "
+                "run, as the base model. Add one with `add_adapter(name, BituneConfig(...))` or "
+                "`load_adapter(path, adapter_name=name)`, then `set_adapter(name)`."
+            )
 
     def _check_adapter_exists(self, adapter_name: str) -> None:
         if adapter_name not in self.peft_config:
             raise ValueError(f"Adapter `{adapter_name}` not found; available: {sorted(self.peft_config)}.")
 
     def _adapters_disabled(self) -> bool:
+        """Whether the model runs as the base model: adapters disabled, or none left (all deleted)."""
+        if not self._has_active_adapter():
+            return True
         return any(layer.disable_adapters for layer in self._router.index.tuner_layers)
 
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
@@ -223,23 +241,49 @@ class BituneModel(BaseTuner):
         self.active_adapter = adapter_name
         if inference_mode:
             self.peft_config[adapter_name].inference_mode = True
-        self._router.route_to(self._inner_names(adapter_name)[CAUSAL])
+        self._route_to_active()
         self._apply_trainable_state()
 
+    def _has_active_adapter(self) -> bool:
+        """False once the last adapter was deleted (PEFT's `active_adapters == []`)."""
+        return isinstance(self.active_adapter, str) and self.active_adapter in self.peft_config
+
+    def _route_to_active(self) -> None:
+        """Route the layers to the causal weight set of the active adapter, or to none when there is none."""
+        if self._has_active_adapter():
+            self._router.route_to(self._inner_names(self.active_adapter)[CAUSAL])
+        else:
+            compat.route_layers(self._router.index.tuner_layers, [])
+
     def delete_adapter(self, adapter_name: str) -> None:
+        """
+        Delete a Bitune adapter: both its weight sets and its mixing scalars. As with PEFT's own methods, the last
+        adapter can be deleted too: `active_adapters` is then `[]` and the model runs as the base model in `forward`
+        and `generate` (what PEFT's layers do with no active adapter); `prefill`, which exists only to read a prompt
+        twice, is refused until an adapter is added and made active with `set_adapter`.
+        """
         if adapter_name not in self.peft_config:
-            raise ValueError(f"Adapter `{adapter_name}` does not exist.")
-        if adapter_name == self.active_adapter and len(self.peft_config) == 1:
-            raise ValueError("Cannot delete the only Bitune adapter of the model; unload the model instead.")
+            raise ValueError(f"Adapter `{adapter_name}` does not exist; available: {sorted(self.peft_config)}.")
+        was_active = adapter_name == self.active_adapter
+        remaining = [name for name in self.peft_config if name != adapter_name]
+        if was_active:
+            # Routed elsewhere first, so that the inner method never deletes a routed weight set and picks a weight
+            # set of its own choosing (its warning would name an inner adapter, e.g. "other__bidirectional").
+            self.active_adapter = remaining[0] if remaining else []
+            self._route_to_active()
         for name in set(self._inner_names(adapter_name).values()):
             self._inner_tuner.delete_adapter(name)
         self._router.forget()
         del self.bitune_mixers[adapter_name]
         del self.peft_config[adapter_name]
-        if adapter_name == self.active_adapter:
-            self.set_adapter(next(iter(self.peft_config)))
-        else:
-            self._router.route_to(self._inner_names(self.active_adapter)[CAUSAL])
+        if was_active and remaining:
+            # PEFT's own words, with the Bitune adapters' names.
+            warnings.warn(
+                f"Adapter {adapter_name} was active which is now deleted. Setting active adapter to {remaining[0]}.",
+                stacklevel=2,
+            )
+        self._route_to_active()
+        self._apply_trainable_state()
 
     def set_requires_grad(self, adapter_names: str | list[str], requires_grad: bool = True) -> None:
         """Enable or disable the gradients of Bitune adapters: both weight sets, and the mixing scalars unless the
@@ -259,7 +303,7 @@ class BituneModel(BaseTuner):
         """Enable the adapters again. PEFT re-activates each layer's routed adapter only, which would leave the
         bidirectional weight set frozen for good; both weight sets and the mixing scalars train again instead."""
         super().enable_adapter_layers()
-        self._router.route_to(self._inner_names(self.active_adapter)[CAUSAL])
+        self._route_to_active()
         self._apply_trainable_state()
 
     def disable_adapter_layers(self) -> None:
@@ -283,6 +327,12 @@ class BituneModel(BaseTuner):
 
     def _create_and_replace(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("BituneModel delegates module replacement to its inner PEFT method.")
+
+    def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
+        """False: no LoRA of the base model computes what a Bitune adapter does, whatever its rank. The prompt is read
+        twice (two weight sets, one bidirectionally) and the two caches mixed, so PEFT's `convert_to_lora`, which
+        approximates one additive weight delta per layer, has no function to approximate."""
+        return False
 
     def _check_merge_allowed(self) -> None:
         raise ValueError(
