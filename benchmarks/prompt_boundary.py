@@ -1,19 +1,19 @@
 """
-What the two boundaries between the prompt passes and the answer pass cost (`peft_bitune/tuner/layer_inputs.py`).
-Measured.
+What reading the prompt passes layer by layer costs and saves under activation checkpointing
+(`peft_bitune/tuner/layer_inputs.py`). Measured.
 
-With activation checkpointing a training step holds, for every decoder layer until the prompt passes' backward
-reaches it, either both prompt passes' keys and values (recorded) or the gradient of their layer inputs (the answer
-pass recomputes the keys and values from them). Bitune takes the smaller of the two for each model; the
-recomputation costs each layer's input norm and key/value projections over the prompt, twice, in the forward and
-again in the checkpointed backward. This script times a checkpointed training step (forward and backward) with each
-boundary, interleaved, on the same model and batch, and takes each one's peak memory:
+A checkpointed training step runs the prompt passes' decoder layers without autograd, and the answer pass's layer l
+recomputes both passes' keys and values of layer l (the layer up to its cache update, in the forward and again in the
+answer layer's checkpointed recomputation) and differentiates the layer in its backward ("recompute"). The
+alternative it replaced records the keys and values in checkpointed prompt passes ("record"), which holds them, and
+then their gradient, for every layer until the prompt passes' backward starts. This script times a checkpointed
+training step (forward and backward) with each, interleaved, on the same model and batch, and takes each one's peak:
 
     python benchmarks/prompt_boundary.py --json docs/results/prompt_boundary.json   # smollm2's shape, multi-head
+    python benchmarks/prompt_boundary.py --key_value_heads 3 --json docs/results/prompt_boundary_grouped_query.json
 
 The default shape is SmolLM2-135M's (`--model`) with as many key/value heads as query heads (9 of 64, as on multi-head
-models such as Gemma-7B, Llama-2-7B and Phi-2, where Bitune recomputes); `--key_value_heads 3` is SmolLM2's own
-grouped-query shape, where it records.
+models such as Gemma-7B, Llama-2-7B and Phi-2); `--key_value_heads 3` is SmolLM2's own grouped-query shape.
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ import torch  # noqa: E402
 from measure import Clock, Ratio, RoundPolicy, interleaved_rounds, peak_bytes_during  # noqa: E402
 from models import MODEL_SIZES, build_pair, training_batch  # noqa: E402
 from peft_bitune import compat  # noqa: E402
-from peft_bitune.tuner.layer_inputs import recompute_prompt_keys_values  # noqa: E402
 
 CELLS = [(8, 128, 32), (4, 256, 64)]  # (batch, prompt length, answer length)
 
 
 def measure(name: str, key_value_heads: int, clock: Clock, policy: RoundPolicy) -> dict:
-    """Per cell: the step time with the keys/values recomputed over the step time with them recorded, and each one's
-    peak bytes, on the model shape `name` with `key_value_heads`."""
+    """Per cell: the step time with the prompt passes read layer by layer over the step time with their keys/values
+    recorded, and each one's peak bytes, on the model shape `name` with `key_value_heads`."""
     size = replace(MODEL_SIZES[name], num_key_value_heads=key_value_heads)
     model = build_pair(size, clock.device, torch.float32, "sdpa").bitune
     compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
@@ -48,11 +47,10 @@ def measure(name: str, key_value_heads: int, clock: Clock, policy: RoundPolicy) 
     passes = type(tuner)._passes
 
     def boundary(recompute: bool) -> None:
-        # The one decision the passes read, forced to one boundary or the other.
+        # The one decision the passes read, forced one way or the other (Bitune recomputes under checkpointing).
         tuner._passes = lambda: replace(passes(tuner), recompute_prompt=recompute)
 
-    result = {"chosen": "layer inputs" if recompute_prompt_keys_values(size.llama_config()) else "keys and values",
-              "model": name, "key_value_heads": key_value_heads, "cells": []}
+    result = {"model": name, "key_value_heads": key_value_heads, "cells": []}
     for batch_size, prompt_length, answer_length in CELLS:
         batch = training_batch(batch_size, prompt_length, answer_length, size.vocab_size, clock.device)
 
@@ -95,8 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     policy = RoundPolicy(min_rounds=args.rounds or 5, max_rounds=args.rounds or 11, budget_s=60.0)
     result = measure(args.model, key_value_heads, clock, policy)
     result["environment"] = {"torch": torch.__version__, "threads": 1, "clock": "cpu"}
-    print("\ntime: a checkpointed training step with the prompt's keys/values recomputed in the answer pass over one "
-          f"with them recorded (fastest of the interleaved rounds, CPU time). Bitune chooses: {result['chosen']}.")
+    print("\ntime: a checkpointed training step with the prompt passes read layer by layer (recomputed in the answer "
+          "pass) over one with their keys/values recorded (fastest of the interleaved rounds, CPU time).")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

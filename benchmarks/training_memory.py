@@ -36,8 +36,9 @@ Each shape gives `bitune_over_lora` with and without checkpointing, and `bitune_
 minus LoRA's, in all and per decoder layer where extrapolated. With checkpointing it is next to what Bitune must keep
 beyond LoRA: `second_pass_inputs`, each decoder layer's input to the second prompt pass, which checkpointing keeps to
 recompute the layer from (`second_pass_inputs_bytes`; LoRA's one pass over P + A positions matches Bitune's causal
-prompt pass and answer pass), and `prompt_boundary`, what autograd holds between the prompt passes and the answer
-pass (`prompt_boundary_bytes`, see `peft_bitune/tuner/layer_inputs.py`). `activation_floor_ratio` is the least
+prompt pass and answer pass). Nothing else is held across layers: a checkpointed step runs the prompt passes' layers
+without autograd and differentiates them layer by layer inside the answer pass's backward
+(`peft_bitune/tuner/layer_inputs.py`). `activation_floor_ratio` is the least
 a layer's activations cost when every pass keeps its own: the positions Bitune's three passes run (P - 1 twice,
 A + 1) over LoRA's P + A.
 
@@ -73,8 +74,6 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from measure import SkipMatmulArithmetic, peak_bytes_during  # noqa: E402
 from models import REAL_SHAPES, TINY_SHAPES, RealShape, lora_config, random_base, training_batch  # noqa: E402
 from peft_bitune import BituneConfig, compat  # noqa: E402
-from peft_bitune.tuner.layer_inputs import recompute_prompt_keys_values  # noqa: E402
-from peft_bitune.utils.base_model import key_value_width  # noqa: E402
 
 METHODS = ("lora", "lora_full_logits", "bitune")
 FUSED_HEAD_METHODS = ("lora", "bitune")  # trained through TRL's fused LM head
@@ -196,26 +195,12 @@ def activation_floor_ratio(batch_shape: tuple[int, int, int]) -> float:
     return (2 * (prompt - 1) + answer + 1) / (prompt + answer)
 
 
-def prompt_boundary_bytes(config, batch_shape: tuple[int, int, int], dtype: torch.dtype) -> int:
-    """What a checkpointed step holds between the prompt passes and the answer pass, as Bitune chooses it for the
-    model (`layer_inputs.recompute_prompt_keys_values`): both passes' keys and values (recorded, then their
-    gradient), or the gradient of both passes' layer inputs, which the answer pass's backward produces for every layer
-    before the prompt passes' backward starts; the smaller of the two: layers x batch x (P - 1) x min(4 x key/value
-    width, 2 x hidden size) x bytes."""
-    text_config = config.get_text_config()
-    width = (2 * text_config.hidden_size if recompute_prompt_keys_values(text_config)
-             else 4 * key_value_width(text_config))
-    batch_size, prompt, _ = batch_shape
-    return text_config.num_hidden_layers * batch_size * (prompt - 1) * width * torch.finfo(dtype).bits // 8
-
-
 def excess_over_lora(result: dict, settings: tuple[str, ...] = ("_checkpointing", "")) -> dict:
     """Bitune's peak minus LoRA's per setting, in all and per decoder layer where extrapolated (the difference of
     their per-layer slopes); with checkpointing, next to its floor: the second prompt pass's checkpointed layer inputs
-    and what autograd holds between the passes (`second_pass_inputs_bytes`, `prompt_boundary_bytes`)."""
+    (`second_pass_inputs_bytes`)."""
     peaks, per_layer = result["peak_bytes"], result.get("per_layer_bytes", {})
-    floor = {key: result["second_pass_inputs"][key] + result["prompt_boundary"][key]
-             for key in ("bytes", "per_layer_bytes")}
+    floor = result["second_pass_inputs"]
     excess = {}
     for setting in settings:
         bitune, lora = f"bitune{setting}", f"lora{setting}"
@@ -311,8 +296,6 @@ def with_comparisons(result: dict, shape: RealShape, batch_shape: tuple[int, int
         if f"lora{setting}" in peaks and f"bitune{setting}" in peaks
     }
     result["activation_floor_ratio"] = activation_floor_ratio(batch_shape)
-    result["prompt_boundary"] = {"bytes": prompt_boundary_bytes(shape.config(), batch_shape, dtype),
-                                 "per_layer_bytes": prompt_boundary_bytes(shape.config(1), batch_shape, dtype)}
     result["second_pass_inputs"] = {"bytes": second_pass_inputs_bytes(shape.config(), batch_shape, dtype),
                                     "per_layer_bytes": second_pass_inputs_bytes(shape.config(1), batch_shape, dtype)}
     result["bitune_excess_over_lora"] = excess_over_lora(result)
@@ -468,8 +451,7 @@ def table(report: dict) -> str:
                     f"{shape['bitune_over_lora'][setting]:.2f} (floor {shape['activation_floor_ratio']:.2f}), "
                     f"Bitune - LoRA {cell['bytes'] / GIB:.2f} GiB")
             if "floor_bytes" in cell:
-                line += (f" against a floor of {cell['floor_bytes'] / GIB:.2f} (the second pass's inputs and what is "
-                         "held between the passes)")
+                line += f" against a floor of {cell['floor_bytes'] / GIB:.2f} (the second pass's inputs)"
             if "per_layer_bytes" in cell:
                 line += f", {cell['per_layer_bytes'] / MIB:.1f} MiB per layer"
                 if "floor_per_layer_bytes" in cell:
@@ -504,10 +486,9 @@ def markdown(report: dict) -> str:
 
 def excess_markdown(report: dict) -> str:
     """docs/training.md's second table: Bitune's peak minus LoRA's, in all and per decoder layer, with checkpointing
-    next to its floor, the second prompt pass's checkpointed layer inputs and what is held between the passes
-    (`second_pass_inputs_bytes`, `prompt_boundary_bytes`)."""
+    next to its floor, the second prompt pass's checkpointed layer inputs (`second_pass_inputs_bytes`)."""
     lines = ["| Model (decoder layers measured) | checkpointing | Bitune - LoRA, GiB "
-             "| floor: second pass's inputs + between the passes, GiB | Bitune - LoRA per layer, MiB "
+             "| floor: second pass's inputs, GiB | Bitune - LoRA per layer, MiB "
              "| floor per layer, MiB |",
              "| --- | --- |" + " ---: |" * 4]
     for name, shape in report["shapes"].items():

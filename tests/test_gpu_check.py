@@ -21,7 +21,7 @@ import gpu_check  # noqa: E402
 import sdpa_backends  # noqa: E402
 import training_memory  # noqa: E402
 from measure import peak_bytes_during  # noqa: E402
-from models import REAL_SHAPES, TINY_SHAPES, build_pair, training_batch  # noqa: E402
+from models import REAL_SHAPES, TINY_SHAPES, RealShape, build_pair, training_batch  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -230,8 +230,7 @@ def test_per_layer_extrapolation_reaches_the_peak_measured_at_full_depth():
     excess = result["bitune_excess_over_lora"]["_checkpointing"]
     assert excess["per_layer_bytes"] == (result["per_layer_bytes"]["bitune_checkpointing"]
                                          - result["per_layer_bytes"]["lora_checkpointing"])
-    assert excess["floor_per_layer_bytes"] * 2 == excess["floor_bytes"] == (
-        result["second_pass_inputs"]["bytes"] + result["prompt_boundary"]["bytes"])
+    assert excess["floor_per_layer_bytes"] * 2 == excess["floor_bytes"] == result["second_pass_inputs"]["bytes"]
 
 
 def test_the_second_pass_inputs_are_what_checkpointing_keeps_of_the_bidirectional_pass():
@@ -254,21 +253,36 @@ def test_the_second_pass_inputs_are_what_checkpointing_keeps_of_the_bidirectiona
         assert second_pass == training_memory.second_pass_inputs_bytes(config, batch_shape, torch.bfloat16) > 0
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma"])
-def test_with_checkpointing_bitune_keeps_per_layer_only_the_second_pass_inputs_and_the_boundary(name):
-    """Per decoder layer, a checkpointed Bitune step holds beyond LoRA's the second prompt pass's layer input and what
-    is held between the passes (here, grouped-query shapes: both passes' keys and values), and nothing else but the
-    mixing scalars' per-layer temporaries (a few float32 numbers): not their mix (computed in the answer pass's layers,
-    `tuner/layer_inputs.py`), which would exceed the margin."""
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma", "tiny-llama-multi-head"])
+def test_with_checkpointing_bitune_keeps_per_layer_only_the_second_pass_inputs(name):
+    """Per decoder layer, a checkpointed Bitune step holds beyond LoRA's the second prompt pass's layer input, and
+    nothing else but the mixing scalars' per-layer temporaries (a few float32 numbers): no key/value record of a
+    prompt pass outlives its layer, and neither does their mix or any gradient between the passes, each of which
+    would exceed the margin (`tuner/layer_inputs.py`). Grouped-query and multi-head shapes alike."""
     batch_shape = (4, 64, 16)
-    config = TINY_SHAPES[name].config()
-    result = training_memory.measure_shape(TINY_SHAPES[name], [1, 2], batch_shape, CPU, torch.bfloat16, True, 1.0,
+    shape = TINY_SHAPES[name.removesuffix("-multi-head")]
+    if name.endswith("-multi-head"):
+        shape = _multi_head(shape)
+    config = shape.config()
+    result = training_memory.measure_shape(shape, [1, 2], batch_shape, CPU, torch.bfloat16, True, 1.0,
                                            methods=("bitune", "lora"), log=lambda line: None)
     cell = result["bitune_excess_over_lora"]["_checkpointing"]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    mix_per_layer = 2 * 4 * config.num_key_value_heads * 63 * head_dim * 2  # mixed keys + values, bf16
-    assert result["prompt_boundary"]["per_layer_bytes"] == 2 * mix_per_layer > 64
+    key_values_per_layer = 2 * 2 * 4 * config.num_key_value_heads * 63 * head_dim * 2  # both passes, bf16
+    assert cell["floor_per_layer_bytes"] == 4 * 63 * config.hidden_size * 2 > 64  # the second pass's inputs, bf16
+    assert key_values_per_layer > 64
     assert abs(cell["per_layer_bytes"] - cell["floor_per_layer_bytes"]) <= 64, cell
+
+
+def _multi_head(shape: RealShape) -> RealShape:
+    """`shape` with as many key/value heads as query heads."""
+
+    def make(layers: int):
+        config = shape.config(layers)
+        config.num_key_value_heads = config.num_attention_heads
+        return config
+
+    return RealShape(f"{shape.name}-multi-head", shape.num_hidden_layers, make)
 
 
 def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, capsys):
@@ -284,10 +298,9 @@ def test_training_memory_cli_writes_its_report_and_refuses_bad_input(tmp_path, c
     assert 0 < head["peak_bytes"] <= min(shape["peak_bytes"]["lora"], shape["peak_bytes"]["bitune"])
     second_pass = shape["second_pass_inputs"]  # tiny-gemma: 2 layers, hidden size 64; the passes read 7 tokens
     assert second_pass == {"bytes": 2 * 2 * 7 * 64 * 2, "per_layer_bytes": 2 * 7 * 64 * 2}
-    boundary = shape["prompt_boundary"]  # 1 key/value head of 16 (4 x 16 < 2 x 64): both passes' keys and values
-    assert boundary == {"bytes": 2 * 2 * 7 * 4 * 16 * 2, "per_layer_bytes": 2 * 7 * 4 * 16 * 2}
+    assert "prompt_boundary" not in shape  # nothing held between the passes across layers
     assert shape["activation_floor_ratio"] == (7 + 7 + 5) / 12
-    floor = second_pass["bytes"] + boundary["bytes"]
+    floor = second_pass["bytes"]
     assert shape["bitune_excess_over_lora"]["_checkpointing"]["floor_bytes"] == floor
     assert "floor_bytes" not in shape["bitune_excess_over_lora"][""]
     for setting in ("", "_checkpointing"):

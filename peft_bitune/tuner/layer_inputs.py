@@ -2,31 +2,29 @@
 What a training step's prompt passes leave for the answer pass, and the mix the answer pass computes from it where it
 reads it (`PromptMix`, read by `caches.PassCacheLayer`): nothing of the mix is held across layers.
 
-Under activation checkpointing every pass keeps each decoder layer's input anyway (a checkpointed layer is recomputed
-from it); what else a step keeps for the prompt passes is the boundary between their graphs and the answer pass's.
-Autograd runs the answer pass's backward through every layer before the prompt passes' backward starts (their nodes
-are older), so the gradient at that boundary is held for every layer until the prompt passes' backward reaches it.
-Two boundaries give the same results, and the smaller one is taken for each model (`recompute_prompt_keys_values`):
+Without activation checkpointing each prompt pass records its keys and values (`HeldKeyValues`): its attention keeps
+them for its own backward anyway.
 
-- the keys and values of both passes (2 passes x (keys + values) x P x the key/value width a layer): each prompt pass
-  records them (`HeldKeyValues`), and they, then their gradient, are held;
-- each decoder layer's input (2 passes x P x the hidden size a layer): the prompt passes record nothing;
-  `capturing_layer_calls` keeps what each decoder layer was called with (references to tensors the pass holds
-  anyway), and the answer pass's layer l recomputes the two passes' keys and values of layer l from those calls
-  (`LayerCall`: the layer run again up to its cache update, over the prompt, for each pass, in the forward and in
-  the checkpointed backward: 1.17 to 1.24 times a step's time on a CPU, `benchmarks/prompt_boundary.py`); only the
-  gradient of those inputs is held. Smaller where a token's keys and values outweigh its hidden state: multi-head
-  models such as Gemma-7B, Llama-2-7B and Phi-2.
-
-Without checkpointing the recorded keys and values are what each prompt pass's attention keeps for its own backward
-anyway, so they are the boundary whatever the model.
+Under checkpointing every pass keeps each decoder layer's input anyway (a checkpointed layer is recomputed from it),
+and nothing else of a prompt pass needs to be held. Autograd, though, runs the answer pass's backward through every
+layer before it starts the backward of a pass whose graph was built before it, so whatever joins a prompt pass's graph
+to the answer pass's (its keys and values, or their gradient) would be held for every layer at once. So the prompt
+passes build no graph of their decoder layers (`capturing_layer_calls`: each layer runs without autograd, and what it
+was called with is kept, `LayerCall`), and each one is read layer by layer (`PromptPassChain`): the answer pass's
+layer l computes the pass's keys and values of layer l again from the layer's input (the layer's own forward, under
+the pass's weights, ended at its cache update), as one autograd node per pass and layer. The nodes of a pass are
+chained through the layer inputs they carry, and each node's backward runs its layer's backward (the whole layer,
+recomputed from its input) as soon as the answer pass's backward has reached that layer. So a step holds, beyond
+LoRA's, the second prompt pass's layer inputs, and one layer's gradient at a time. It costs recomputing the layers up
+to their cache update in the forward (and in the answer layer's checkpointed recomputation): 1.17 to 1.24 times a
+step's time on a CPU on a small model, `benchmarks/prompt_boundary.py`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,39 +32,84 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .. import compat
-from ..utils.base_model import key_value_width
 from .caches import PassCacheLayer
 from .mixing import mix_key_values
 from .prompt_pass_end import PromptPassComplete
 
 
+@dataclass(frozen=True)
+class RandomState:
+    """The random number generators' state when a prompt-pass layer ran, so that running it again draws the same
+    dropout masks (as `torch.utils.checkpoint` does for a checkpointed layer)."""
+
+    cpu: torch.Tensor
+    device: torch.device | None
+    device_state: torch.Tensor | None
+
+    @classmethod
+    def now(cls, device: torch.device) -> RandomState:
+        if device.type == "cpu":
+            return cls(torch.get_rng_state(), None, None)
+        return cls(torch.get_rng_state(), device, torch.get_device_module(device).get_rng_state(device))
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        """Within the block, draw from this state; the generators are left as they were after it."""
+        devices = [] if self.device is None else [self.device]
+        device_type = "cuda" if self.device is None else self.device.type
+        with torch.random.fork_rng(devices=devices, device_type=device_type):
+            torch.set_rng_state(self.cpu)
+            if self.device is not None:
+                torch.get_device_module(self.device).set_rng_state(self.device_state, self.device)
+            yield
+
+
 @dataclass(frozen=True, eq=False)
 class LayerCall:
-    """What one decoder layer was called with in a prompt pass, and the weight set that pass ran with."""
+    """What one decoder layer was called with in a prompt pass, the weight set that pass ran with, and the random
+    state it drew from."""
 
     layer: nn.Module
     index: int
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     weights: Callable[[], AbstractContextManager]
+    random_state: RandomState
 
-    def key_values(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values this call wrote to its cache, computed again: the layer's own forward, under the pass's
-        weights, ended at its attention's cache update. The layer's `forward` is called directly, without its
-        `__call__`: no hooks (the layer runs inside a forward that already gathered it, under FSDP) and no
-        checkpoint of its own (the reading layer's checkpoint covers this)."""
-        capture = PassCacheLayer(record=True, stop_after_record=True)
+    @property
+    def hidden_states(self) -> torch.Tensor:
+        return self.args[0] if self.args else self.kwargs["hidden_states"]
+
+    def run(self, hidden_states: torch.Tensor, to_end: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """
+        The call again, on `hidden_states` (the call's own, or a copy to differentiate): the layer's own forward,
+        under the pass's weights and random state, ended at its attention's cache update unless `to_end`. Returns
+        the keys and values it wrote to its cache, and its output (`None` if ended early). The layer's `forward` is
+        called directly, without its `__call__`: no hooks (the layer runs inside a forward or backward of the answer
+        pass's same layer, which already gathered it under FSDP) and no checkpoint of its own.
+        """
+        capture = PassCacheLayer(record=True, stop_after_record=not to_end)
         cache = Cache(layers=[capture] * (self.index + 1))  # the attention asks for its own layer index
         kwargs = {name: (cache if isinstance(value, Cache) else value) for name, value in self.kwargs.items()}
-        with self.weights(), compat.checkpointing_paused(self.layer):
+        args = self.args
+        if args:
+            args = (hidden_states, *args[1:])
+        else:
+            kwargs["hidden_states"] = hidden_states
+        output = None
+        with self.weights(), compat.checkpointing_paused(self.layer), self.random_state.restored():
             try:
-                type(self.layer).forward(self.layer, *self.args, **kwargs)
+                output = type(self.layer).forward(self.layer, *args, **kwargs)
             except PromptPassComplete:
-                return capture.recorded_keys, capture.recorded_values
-        raise RuntimeError(
-            f"{type(self.layer).__name__} did not write its keys/values through the cache's `update` method, which "
-            "Bitune needs to read a prompt pass's keys/values."
-        )
+                pass
+        if capture.recorded_keys is None:
+            raise RuntimeError(
+                f"{type(self.layer).__name__} did not write its keys/values through the cache's `update` method, "
+                "which Bitune needs to read a prompt pass's keys/values."
+            )
+        if isinstance(output, tuple):
+            output = output[0]
+        return capture.recorded_keys, capture.recorded_values, output
 
 
 @contextmanager
@@ -74,22 +117,32 @@ def capturing_layer_calls(
     layers: Sequence[nn.Module], weights: Callable[[nn.Module], AbstractContextManager]
 ) -> Iterator[list[LayerCall]]:
     """
-    Keep what each of `layers` (the decoder layers, in order) is called with during the block; yields the list they
-    fill, one `LayerCall` a layer. `weights(layer)` makes the context that routes `layer` to the pass's weight set.
-    (The pass runs to its end: it only runs under checkpointing, where a pass may not end early, `prompt_pass_end.py`.)
+    Run the decoder layers (`layers`, in order) of the pass in the block without autograd, keeping what each is called
+    with; yields the list they fill, one `LayerCall` a layer. `weights(layer)` makes the context that routes `layer` to
+    the pass's weight set. What comes before the first layer (the embeddings) keeps its graph: the first layer's input
+    carries it to the chain's first node. (The pass runs to its end: it only runs under checkpointing, where a pass
+    may not end early, `prompt_pass_end.py`.)
     """
     calls: list[LayerCall | None] = [None] * len(layers)
+    grad_enabled = torch.is_grad_enabled()
 
     def keep(index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            calls[index] = LayerCall(module, index, args, dict(kwargs), lambda: weights(module))
+            call = LayerCall(module, index, args, dict(kwargs), lambda: weights(module), None)
+            calls[index] = replace(call, random_state=RandomState.now(call.hidden_states.device))
+            torch.set_grad_enabled(False)
 
         return hook
 
+    def restore(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        torch.set_grad_enabled(grad_enabled)
+
     handles = [layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles += [layer.register_forward_hook(restore) for layer in layers]
     try:
         yield calls
     finally:
+        torch.set_grad_enabled(grad_enabled)
         for handle in handles:
             handle.remove()
     missing = [i for i, call in enumerate(calls) if call is None]
@@ -98,6 +151,87 @@ def capturing_layer_calls(
             f"The prompt pass did not call decoder layers {missing}; Bitune reads each layer's keys/values from its "
             "input."
         )
+
+
+class PromptPassChain:
+    """
+    One prompt pass, read layer by layer by the answer pass (`key_values(l)` from the answer pass's layer l), with
+    its backward run layer by layer inside the answer pass's (see the module's docstring).
+
+    Each layer read adds a node (`_ChainedPromptLayer`) that takes the layer's input, as carried by the node of the
+    layer below, and gives the layer's keys and values and the next layer's input. A layer that is not read (one the
+    mixer leaves out) still gets a node when a layer above it is read, which carries its gradient down.
+    """
+
+    def __init__(self, calls: Sequence[LayerCall]) -> None:
+        self.calls = list(calls)
+        # What stands for each layer's input in the answer pass's graph: the first layer's is the pass's own (it
+        # carries the embeddings' graph); each node sets the next one's. Only the forward sets them: an answer
+        # layer's checkpointed recomputation reads them again, and its nodes are never run backward.
+        self._carried: list[torch.Tensor | None] = [self.calls[0].hidden_states] + [None] * (len(self.calls) - 1)
+
+    def key_values(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        for below in range(index):
+            if self._carried[below + 1] is None:
+                self._node(below, reads=False)
+        keys, values = self._node(index, reads=True)
+        return keys, values
+
+    def _node(self, index: int, reads: bool) -> tuple[torch.Tensor, ...]:
+        call = self.calls[index]
+        next_input = self.calls[index + 1].hidden_states if index + 1 < len(self.calls) else None
+        params = [param for param in call.layer.parameters() if param.requires_grad]
+        outputs = _ChainedPromptLayer.apply(call, reads, next_input, self._carried[index], *params)
+        if next_input is not None and self._carried[index + 1] is None:
+            self._carried[index + 1] = outputs[-1]
+        return outputs[:2] if reads else ()
+
+
+class _ChainedPromptLayer(torch.autograd.Function):
+    """One prompt pass's decoder layer as one autograd node: forward, its keys and values (if `reads`) computed
+    again from its input without autograd, and the next layer's input as the pass computed it; backward, the layer
+    run again from its input with autograd, differentiated for the gradients of whichever of those were used."""
+
+    @staticmethod
+    def forward(ctx, call: LayerCall, reads: bool, next_input: torch.Tensor | None, hidden_states: torch.Tensor,
+                *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.call, ctx.reads, ctx.passes_on, ctx.params = call, reads, next_input is not None, params
+        ctx.autocast = _autocast_state(hidden_states.device)
+        outputs = call.run(hidden_states, to_end=False)[:2] if reads else ()
+        if next_input is not None:
+            outputs += (next_input.detach(),)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        key_grad, value_grad = grads[:2] if ctx.reads else (None, None)
+        next_grad = grads[-1] if ctx.passes_on else None
+        hidden_states = ctx.call.hidden_states.detach().requires_grad_()
+        with torch.enable_grad(), torch.autocast(**ctx.autocast):
+            keys, values, output = ctx.call.run(hidden_states, to_end=next_grad is not None)
+        used = [(tensor, grad) for tensor, grad in ((keys, key_grad), (values, value_grad), (output, next_grad))
+                if grad is not None]
+        inputs = (hidden_states, *ctx.params)
+        computed = (torch.autograd.grad([tensor for tensor, _ in used], inputs, [grad for _, grad in used],
+                                        allow_unused=True) if used else (None,) * len(inputs))
+        return (None, None, None, *computed)
+
+
+def _autocast_state(device: torch.device) -> dict[str, Any]:
+    """The arguments of `torch.autocast` that restore the autocast state of `device`'s type."""
+    return {"device_type": device.type, "enabled": torch.is_autocast_enabled(device.type),
+            "dtype": torch.get_autocast_dtype(device.type)}
+
+
+@dataclass(frozen=True, eq=False)
+class ChainedRead:
+    """A prompt pass's keys and values of one layer, read through its chain."""
+
+    chain: PromptPassChain
+    index: int
+
+    def key_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.chain.key_values(self.index)
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,12 +245,6 @@ class HeldKeyValues:
         return self.keys, self.values
 
 
-def recompute_prompt_keys_values(text_config: Any) -> bool:
-    """Whether the prompt passes of a checkpointed training step should leave their layer inputs rather than their
-    keys and values (see the module's docstring): where 2 x the hidden size is under 4 x the key/value width."""
-    return 2 * text_config.hidden_size < 4 * key_value_width(text_config)
-
-
 @dataclass(frozen=True, eq=False)
 class PromptMix:
     """
@@ -126,8 +254,8 @@ class PromptMix:
     Under checkpointing, the reading layer computes it again in its backward instead of holding it.
     """
 
-    causal: LayerCall | HeldKeyValues
-    bidirectional: LayerCall | HeldKeyValues
+    causal: ChainedRead | HeldKeyValues
+    bidirectional: ChainedRead | HeldKeyValues
     key_alpha: torch.Tensor
     value_alpha: torch.Tensor
     mixed: bool

@@ -37,7 +37,7 @@ from ..constants import (
 )
 from ..persistence.base_model_records import match_base_model
 from ..persistence.checkpoint_keys import checkpoint_key, loaded_adapter_state, saved_adapter_state
-from ..utils.base_model import max_positions, num_layers, text_config
+from ..utils.base_model import max_positions, num_layers
 from . import adapter_batches, generation
 from .caches import BituneCache
 from .checks import (
@@ -57,7 +57,6 @@ from .fused_head import (
     fused_output,
     warn_reference_without_adapter,
 )
-from .layer_inputs import recompute_prompt_keys_values
 from .layout import ConversationLayout
 from .mixing import BituneKVMixer
 from .passes import BitunePasses, answer_loss
@@ -363,10 +362,9 @@ class BituneModel(BaseTuner):
     def _passes(self) -> BitunePasses:
         """The passes of a forward of the active adapter, as the model is wrapped now."""
         paths = self._router.index.decoder_layer_paths
-        # Recomputing the prompt's keys/values pays only where checkpointing keeps nothing else of them, and needs
-        # each cache layer's decoder layer (`layer_inputs.py`).
-        recompute = (bool(self._router.checkpointing_layers()) and len(paths) == num_layers(self.model)
-                     and recompute_prompt_keys_values(text_config(self.model)))
+        # Recomputing the prompt's keys/values pays only where checkpointing keeps nothing else of a prompt pass, and
+        # needs each cache layer's decoder layer (`layer_inputs.py`).
+        recompute = bool(self._router.checkpointing_layers()) and len(paths) == num_layers(self.model)
         return BitunePasses(
             model=self.model,
             weights=self.weights,

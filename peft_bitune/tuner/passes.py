@@ -33,7 +33,7 @@ from .. import compat
 from ..constants import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, SecondPassAttention, WeightSet
 from ..utils.base_model import decoder_of, num_layers
 from .caches import TrainingCache, pass_cache, recomputing_pass_cache, recorded_key_values
-from .layer_inputs import HeldKeyValues, LayerCall, PromptMix, capturing_layer_calls
+from .layer_inputs import ChainedRead, HeldKeyValues, PromptMix, PromptPassChain, capturing_layer_calls
 from .layout import Chunk, ConversationLayout, Turn
 from .mixing import BituneKVMixer, at_least_float32
 from .prompt_pass_end import ending_at_complete_record
@@ -115,7 +115,7 @@ class BitunePasses:
         inputs = turn.prefill.pass_inputs(sequence, None)
         left = {}
         for weight_set in (BIDIRECTIONAL, CAUSAL):
-            left[weight_set] = (self._layer_calls(weight_set, inputs) if self.recompute_prompt
+            left[weight_set] = (self._chained_reads(weight_set, inputs) if self.recompute_prompt
                                 else self._recorded_key_values(weight_set, self._recording_cache(None), inputs))
         prompt = self._mixes(left, turn.prefill.width)
         return self.answer_pass(turn.answer, sequence, recomputing_pass_cache(prompt), turn.prefill.mask, fused_head)
@@ -129,7 +129,7 @@ class BitunePasses:
         mixed = [mix.key_values() for mix in self._mixes(recorded, recorded[CAUSAL][0].keys.shape[-2])]
         return [keys for keys, _ in mixed], [values for _, values in mixed]
 
-    def _mixes(self, left: dict[WeightSet, list[LayerCall | HeldKeyValues]], length: int) -> list[PromptMix]:
+    def _mixes(self, left: dict[WeightSet, list[ChainedRead | HeldKeyValues]], length: int) -> list[PromptMix]:
         """Each layer's mix of what the two prompt passes left, with the active adapter's coefficients."""
         key_alpha, value_alpha = self.mixer.coefficients()
         return [
@@ -139,13 +139,15 @@ class BitunePasses:
             )
         ]
 
-    def _layer_calls(self, weight_set: WeightSet, inputs: dict[str, torch.Tensor]) -> list[LayerCall]:
-        """One prompt pass that records nothing, keeping what each decoder layer was called with."""
+    def _chained_reads(self, weight_set: WeightSet, inputs: dict[str, torch.Tensor]) -> list[ChainedRead]:
+        """One prompt pass whose decoder layers run without autograd and record nothing, read layer by layer by the
+        answer pass through a `PromptPassChain` of what each layer was called with."""
         decoder_layers = [path.modules[-1] for path in self.decoder_layer_paths]
         weights = functools.partial(self.weights, weight_set)
         with capturing_layer_calls(decoder_layers, weights) as calls:
             self.prompt_pass(weight_set, _pass_cache(None, self.model, record=False), **inputs)
-        return calls
+        chain = PromptPassChain(calls)
+        return [ChainedRead(chain, index) for index in range(len(calls))]
 
     def _recording_cache(self, cache: TrainingCache | None) -> Cache:
         """A prompt pass's cache over what the batch has built so far, recording the pass (and ending it once its
