@@ -176,11 +176,16 @@ def test_greedy_rows_equal_each_adapter_alone_and_the_reference(load_base, arch,
     names = ROUTES[count]
     rows = prompts(3, [9, 1, 4, 12])
     batch = left_padded(rows)
-    out = model.generate(**batch, **GREEDY, adapter_names=names)
+    settings = dict(GREEDY, output_scores=True, return_dict_in_generate=True)
+    mixed = model.generate(**batch, **settings, adapter_names=names)
+    out = mixed.sequences
     width = batch["input_ids"].shape[1]
     for name, group in rows_by_adapter(names).items():
-        own = alone(model, name, lambda group=group: model.generate(**select(batch, group), **GREEDY))
-        assert torch.equal(out[group], own)
+        own = alone(model, name, lambda group=group: model.generate(**select(batch, group), **settings))
+        assert torch.equal(out[group], own.sequences)
+        assert len(mixed.scores) == len(own.scores) == GREEDY["max_new_tokens"]
+        for step, own_step in zip(mixed.scores, own.scores):
+            assert torch.equal(step[group], own_step)
         for i in group:
             if not second_pass_causal(name):  # the greedy reference reads the prompt bidirectionally
                 expected = alone(model, name, lambda i=i: reference_greedy(model, rows[i], GREEDY["max_new_tokens"]))
@@ -256,6 +261,8 @@ def test_groups_that_stop_early_are_padded_and_fed_their_padding_as_generate_fee
     out = model.generate(**batch, **settings, adapter_names=names)
     assert out.sequences.shape[1] == 10
     assert out.sequences[0, 5:].tolist() == free[0, : stop + 1].tolist() + [1] * (4 - stop)
+    with pytest.raises(ValueError, match="`scores` cannot be returned .* stopped after different numbers of steps"):
+        model.generate(**batch, **settings, output_scores=True, adapter_names=names)
 
     def own():
         first = model.generate(**select(batch, [0]), **settings)
@@ -280,6 +287,60 @@ def test_groups_that_stop_early_are_padded_and_fed_their_padding_as_generate_fee
     assert turn.sequences[0, : own_turn.sequences.shape[1]].tolist() == own_turn.sequences[0].tolist()
 
 
+# ------------------------------------------------------------------------------------------------------ __base__
+def test_base_rows_are_the_base_model_reading_each_row_once_causally(load_base):
+    """`"__base__"` rows, as PEFT names rows without an adapter: the base model's logits, loss terms, answers and
+    chat turns, beside rows of two adapters."""
+    model = with_adapters(load_base("qwen2"), 2)
+    names = ["__base__", "other", "default", "__base__"]
+    rows, batch, _ = padded_batch("left", VOCAB)
+    prompt_lengths = [1, 3, 7, 9]
+    with torch.no_grad():
+        out = model(**batch, adapter_names=names)
+        loss_sum, supervised = 0.0, 0
+        for i, (row, p) in enumerate(zip(rows, prompt_lengths)):
+            if names[i] == "__base__":
+                with model.disable_adapter():
+                    logits = model(input_ids=row[None]).logits[0]
+                start = int(batch["attention_mask"][i].argmax())
+                torch.testing.assert_close(out.logits[i, start:], logits, atol=1e-5, rtol=0)
+                row_loss = torch.nn.functional.cross_entropy(logits[p - 1 : -1], row[p:], reduction="sum")
+            else:
+                _, row_loss = alone(model, names[i], lambda i=i, p=p: reference_row(
+                    model, rows[i], p, second_pass_causal(names[i])))
+            loss_sum, supervised = loss_sum + row_loss, supervised + len(row) - p
+    torch.testing.assert_close(out.loss, loss_sum / supervised, atol=1e-5, rtol=0)
+
+    prompt_batch = left_padded(prompts(3, [9, 1, 4, 12]))
+    second = left_padded(prompts(6, [3, 1, 5, 2]))
+    settings = dict(GREEDY, output_scores=True, return_dict_in_generate=True)
+    first = model.generate(**prompt_batch, **settings, adapter_names=names)
+    cache = compat.output_cache(first)
+    turn = {"input_ids": torch.cat([first.sequences, second["input_ids"]], dim=1),
+            "attention_mask": torch.cat([cache.conversation_mask.long(), second["attention_mask"]], dim=1)}
+    then = model.generate(**turn, cache=cache, **settings, adapter_names=names)
+    base_rows = [0, 3]
+    with model.disable_adapter():
+        own = model.generate(**select(prompt_batch, base_rows), **settings)
+        own_turn = {key: value[base_rows] for key, value in turn.items()}
+        own_then = model.generate(**own_turn, cache=compat.output_cache(own), **settings)
+    assert torch.equal(first.sequences[base_rows], own.sequences)
+    assert torch.equal(then.sequences[base_rows], own_then.sequences)
+    for step, own_step in zip(first.scores + then.scores, own.scores + own_then.scores):
+        torch.testing.assert_close(step[base_rows], own_step, atol=1e-5, rtol=0)
+    for name in ("other", "default"):  # and the adapters' rows as they give them alone
+        group = [names.index(name)]
+        own = alone(model, name, lambda group=group: model.generate(**select(prompt_batch, group), **settings))
+        assert torch.equal(first.sequences[group], own.sequences)
+    # A mixed prefill holds the base rows' causal keys/values.
+    prefilled = model.base_model.prefill(**prompt_batch, adapter_names=names)
+    with model.disable_adapter(), torch.no_grad():
+        row = prompts(3, [9, 1, 4, 12])[3]
+        reference = model(input_ids=row[None, :-1], use_cache=True)
+    for layer, own_layer in zip(prefilled.layers, compat.output_cache(reference).layers):
+        torch.testing.assert_close(layer.keys[3:4], own_layer.keys, atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------------- refusals, hooks
 def test_bad_adapter_names_are_refused_in_one_line_before_any_compute(load_base):
     model = with_adapters(load_base("llama"), 2)
@@ -289,7 +350,6 @@ def test_bad_adapter_names_are_refused_in_one_line_before_any_compute(load_base)
         (dict(adapter_names=["default", "nope", "other", "other"]), r"adapters \['nope'\] that this model does not"),
         (dict(adapter_names=["default", "other"]), "has 2 names for a batch of 4 rows"),
         (dict(adapter_names="other"), "one adapter name per row, got str"),
-        (dict(adapter_names=["__base__", "other", "other", "other"]), "'__base__'.*disable_adapter"),
     ]
     for arguments, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):
@@ -300,8 +360,8 @@ def test_bad_adapter_names_are_refused_in_one_line_before_any_compute(load_base)
             model.base_model.prefill(**prompt_batch, **arguments)
     names = ["default", "other", "other", "default"]
     for arguments, message in [
-        (dict(output_scores=True, return_dict_in_generate=True), "`output_scores=True` is not supported"),
         (dict(streamer=object()), "`streamer` cannot follow"),
+        (dict(prefix_allowed_tokens_fn=lambda batch_id, ids: [3]), "`prefix_allowed_tokens_fn` is not supported"),
     ]:
         with pytest.raises(ValueError, match=message):
             model.generate(**prompt_batch, **GREEDY, **arguments, adapter_names=names)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn import functional as F
 
 from .. import compat
 from ..constants import IGNORE_INDEX
@@ -60,14 +61,12 @@ def adapter_groups(
             f"`adapter_names` has {len(adapter_names)} names for a batch of {batch_size} rows: give one adapter "
             "name per row (per prompt in `generate`, also with `num_beams` or `num_return_sequences`)."
         )
-    if BASE_ADAPTER in adapter_names:
-        raise ValueError(
-            f"`adapter_names` holds {BASE_ADAPTER!r} (rows without an adapter), which Bitune does not run in a mixed "
-            "batch: run those rows in a batch of their own inside `with model.disable_adapter():`."
-        )
-    unknown = sorted({str(name) for name in adapter_names} - set(known))
+    unknown = sorted({str(name) for name in adapter_names} - {*known, BASE_ADAPTER})
     if unknown:
-        raise ValueError(f"`adapter_names` names adapters {unknown} that this model does not have: {sorted(known)}.")
+        raise ValueError(
+            f"`adapter_names` names adapters {unknown} that this model does not have: {sorted(known)} (or "
+            f"{BASE_ADAPTER!r} for the base model)."
+        )
     order = list(dict.fromkeys(adapter_names))
     return [
         AdapterGroup(name, torch.tensor([i for i, n in enumerate(adapter_names) if n == name], dtype=torch.long))
@@ -78,9 +77,6 @@ def adapter_groups(
 # The arguments of `forward`, `prefill` and `generate` that hold one entry per row, split with the rows.
 PER_ROW_ARGUMENTS = ("input_ids", "attention_mask", "inputs_embeds", "labels", "prompt_mask", "position_ids")
 
-# `generate` outputs made of one entry per decoding step, for each row: groups that stop at different steps have
-# different numbers of them, and a finished row's entries would belong to steps its group never ran.
-PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
 def split_arguments(arguments: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
@@ -104,15 +100,24 @@ def supervised_count(
     return supervised.sum()
 
 
-def check_mixed_generation(kwargs: dict[str, Any], generation_config: Any, num_groups: int) -> None:
+def next_token_loss_sum(
+    logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor, prompt_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """The summed next-token cross-entropy (in float32 at least) of the tokens `supervised_count` counts, from logits
+    at every position (the `"__base__"` rows)."""
+    supervised = labels != IGNORE_INDEX
+    supervised &= attention_mask.to(labels.device).bool()
+    if prompt_mask is not None:
+        supervised &= ~prompt_mask.to(labels.device).bool()
+    targets = labels.masked_fill(~supervised, IGNORE_INDEX)[:, 1:]
+    scores = logits[:, :-1]
+    scores = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+    return F.cross_entropy(scores.reshape(-1, scores.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def check_mixed_generation(kwargs: dict[str, Any], num_groups: int) -> None:
     """Refuse, before any prompt is read, the `generate` arguments a mixed-adapter batch cannot honour exactly."""
-    asked = [name for name in PER_STEP_OUTPUTS if kwargs.get(name, getattr(generation_config, name, False))]
-    if asked:
-        raise ValueError(
-            f"`{asked[0]}=True` is not supported with `adapter_names`: each adapter's rows are decoded in a group of "
-            "their own, and groups stop at different steps, so per-step outputs cannot be lined up exactly. Generate "
-            "each adapter's rows in a batch of their own (`set_adapter`) for per-step outputs."
-        )
     if num_groups > 1 and kwargs.get("streamer") is not None:
         raise ValueError("A `streamer` cannot follow a batch whose rows use several adapters: they are decoded one "
                          "adapter after another. Stream each adapter's rows in a call of their own.")
@@ -201,11 +206,10 @@ def merge_caches(target: BituneCache, parts: list[tuple[torch.Tensor, BituneCach
 
 
 def merged_output(
-    outputs: list[Any], rows: list[torch.Tensor], sequences: torch.Tensor, cache: Any, num_rows: int
+    outputs: list[Any], group_rows: list[torch.Tensor], sequences: torch.Tensor, cache: Any, batch_size: int
 ) -> Any:
     """The groups' `generate` outputs (`return_dict_in_generate=True`) as one, in row order: the merged sequences and
-    cache, and each per-row field put back in its rows (beam indices padded with -1 beyond a sequence's steps, as
-    transformers pads them)."""
+    cache, and every other field put back in its rows (`merged_rows`)."""
     first = outputs[0]
     first_cache = compat.output_cache(first)
     fields = {}
@@ -214,12 +218,27 @@ def merged_output(
             fields[name] = sequences
         elif value is first_cache:
             fields[name] = cache
-        elif name == "sequences_scores":
-            fields[name] = scatter_rows([(r, output[name]) for r, output in zip(rows, outputs)], num_rows)
-        elif name == "beam_indices":
-            steps = max(output[name].shape[1] for output in outputs)
-            padded = [pad_columns(output[name], steps, -1) for output in outputs]
-            fields[name] = scatter_rows(list(zip(rows, padded)), num_rows)
         else:
-            raise RuntimeError(f"`generate` returned `{name}`, which a mixed-adapter batch does not merge.")
+            fields[name] = merged_rows(name, [output[name] for output in outputs], group_rows, batch_size)
     return type(first)(**fields)
+
+
+def merged_rows(name: str, values: list[Any], group_rows: list[torch.Tensor], batch_size: int) -> Any:
+    """One value of a `generate` output field from the groups' values, in row order: a tensor's rows (each input row
+    gives as many as the tensor has per group row: beams, return sequences) at their rows, and tuples (per step, per
+    layer) element by element. Beam indices are padded with -1 beyond a sequence's steps, as transformers pads them.
+    Per-step fields of groups that decoded different numbers of steps cannot be lined up, and are refused."""
+    if isinstance(values[0], torch.Tensor):
+        if name == "beam_indices":
+            steps = max(value.shape[1] for value in values)
+            values = [pad_columns(value, steps, -1) for value in values]
+        per_row = values[0].shape[0] // len(group_rows[0])
+        parts = [(expanded_rows(rows, per_row), value) for rows, value in zip(group_rows, values)]
+        return scatter_rows(parts, batch_size * per_row)
+    if len({len(value) for value in values}) != 1:
+        raise ValueError(
+            f"`{name}` cannot be returned for this mixed-adapter batch: its adapters' rows stopped after different "
+            f"numbers of steps ({sorted({len(value) for value in values})}), and a step one group never ran has no "
+            "value. Generate each adapter's rows in a call of their own, or leave the per-step outputs off."
+        )
+    return tuple(merged_rows(name, list(items), group_rows, batch_size) for items in zip(*values))

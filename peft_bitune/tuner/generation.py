@@ -9,14 +9,16 @@ the passes of `passes.py` and never check the prompts again:
 - `continue_conversation` (paper A.8, alternating): the previous answer's last token runs causally, then the new
   instruction minus its last token is read twice over the whole cache and mixed;
 - `decode`: either of those, then `generate` decodes from the cache; after beam search the cache is made to hold the
-  returned sequences, so that a conversation can go on from any of them.
+  returned sequences, so that a conversation can go on from any of them;
+- `decode_without_adapter`: the same for the rows of a mixed-adapter batch that run without any adapter
+  (`"__base__"`), whose prompt the base model reads once, causally.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -53,7 +55,8 @@ def continue_conversation(passes: BitunePasses, cache: BituneCache, prompts: Pro
     instruction minus its last token read twice over the whole cache, mixed and appended."""
     past, answered, width = cache.get_seq_length(), cache.conversation_length, prompts.width
     if answered > past:
-        run_causally(passes, cache, prompts.tokens(past, answered), prompts.attention_mask, past, answered)
+        with passes.weights(CAUSAL):
+            run_causally(passes.model, cache, prompts.tokens(past, answered), prompts.attention_mask, past, answered)
     if width - 1 == answered:
         return  # a one-token instruction adds nothing to mix
     mixed = passes.read_twice(
@@ -66,23 +69,23 @@ def continue_conversation(passes: BitunePasses, cache: BituneCache, prompts: Pro
 
 
 def run_causally(
-    passes: BitunePasses,
+    model: Any,
     cache: BituneCache,
     inputs: dict[str, torch.Tensor],
     attention_mask: torch.Tensor,
     start: int,
     end: int,
 ) -> None:
-    """Append columns `start:end` of a conversation (`inputs`: their ids or embeddings) to `cache`, read with the
-    causal weights as decoding reads them; `attention_mask` covers the whole conversation."""
-    with passes.weights(CAUSAL):
-        passes.model(
-            **inputs,
-            attention_mask=attention_mask[:, :end],
-            position_ids=positions_for(attention_mask)[:, start:end],
-            **compat.with_cache(passes.model, cache),
-            use_cache=True,
-        )
+    """Append columns `start:end` of a conversation (`inputs`: their ids or embeddings) to `cache`, read causally as
+    decoding reads them, with the weights the model is routed to (the causal weight set, or none); `attention_mask`
+    covers the whole conversation."""
+    model(
+        **inputs,
+        attention_mask=attention_mask[:, :end],
+        position_ids=positions_for(attention_mask)[:, start:end],
+        **compat.with_cache(model, cache),
+        use_cache=True,
+    )
 
 
 def decode(
@@ -96,6 +99,43 @@ def decode(
             continue_conversation(passes, cache, prompts)
         else:
             cache = prefill_cache(passes, prompts)
+    return _decode_from(passes.model, lambda: passes.weights(CAUSAL), prompts, cache, continuing, generation_config,
+                        kwargs)
+
+
+def decode_without_adapter(
+    model: Any, prompts: Prompts, cache: BituneCache | None, generation_config: Any, kwargs: dict[str, Any]
+) -> Any:
+    """`decode` for rows that run without any adapter (the model routed to none): what the cache has not read of the
+    input but its last token is read once, causally, then `generate` decodes as in `decode`."""
+    continuing = cache is not None
+    if cache is None:
+        cache = BituneCache(config=model.config, owner=model)
+    with torch.no_grad():
+        read_without_adapter(model, cache, prompts)
+    return _decode_from(model, nullcontext, prompts, cache, continuing, generation_config, kwargs)
+
+
+def read_without_adapter(model: Any, cache: BituneCache, prompts: Prompts) -> None:
+    """Bring `cache` to the last input token by reading the columns it lacks once, causally (the base model's
+    prefill of rows without an adapter), and record the conversation it then stands for."""
+    start, end = cache.get_seq_length(), prompts.width - 1
+    if end > start:
+        run_causally(model, cache, prompts.tokens(start, end), prompts.attention_mask, start, end)
+    cache.remember_conversation(prompts.input_ids[:, :-1], prompts.attention_mask[:, :-1])
+
+
+def _decode_from(
+    model: Any,
+    causal: Callable[[], AbstractContextManager[None]],
+    prompts: Prompts,
+    cache: BituneCache,
+    continuing: bool,
+    generation_config: Any,
+    kwargs: dict[str, Any],
+) -> Any:
+    """`generate` from a cache that holds every input column but the last; `causal()` routes the model to the
+    weights that decode."""
     # Beam search leaves the cache rows of its last running beams, not of the sequences it returns: keep the cache as
     # it is before decoding, to rebuild the returned sequences' rows where the caller can reach the cache.
     before_decoding = None
@@ -106,7 +146,7 @@ def decode(
         cache.batch_repeat_interleave(expand)
     attention_mask = prompts.attention_mask
     kwargs["attention_mask"] = attention_mask
-    output = passes.model.generate(**{compat.CACHE_NAME: cache}, **kwargs)
+    output = model.generate(**{compat.CACHE_NAME: cache}, **kwargs)
     sequences = output.sequences if hasattr(output, "sequences") else output
     rows_per_prompt = sequences.shape[0] // attention_mask.shape[0]
     generated = sequences.shape[1] - attention_mask.shape[1]
@@ -115,14 +155,14 @@ def decode(
         attention_mask.new_ones(sequences.shape[0], generated),  # what `generate` fed for every new token
     ], dim=1)
     if before_decoding is not None:
-        with torch.no_grad():
-            _hold_sequences(passes, cache, before_decoding, sequences, conversation_mask, prompts)
+        with torch.no_grad(), causal():
+            _hold_sequences(model, cache, before_decoding, sequences, conversation_mask, prompts)
     cache.remember_conversation(sequences, conversation_mask)
     return output
 
 
 def _hold_sequences(
-    passes: BitunePasses,
+    model: Any,
     cache: BituneCache,
     before_decoding: BituneCache,
     sequences: torch.Tensor,
@@ -142,10 +182,10 @@ def _hold_sequences(
     start, end = input_width - 1, sequences.shape[1] - 1
     if prompts.inputs_embeds is not None:
         last_input = prompts.inputs_embeds[:, start:input_width].repeat_interleave(rows_per_input, dim=0)
-        run_causally(passes, before_decoding, {"inputs_embeds": last_input}, conversation_mask, start, input_width)
+        run_causally(model, before_decoding, {"inputs_embeds": last_input}, conversation_mask, start, input_width)
         start = input_width
     if end > start:
-        run_causally(passes, before_decoding, {"input_ids": sequences[:, start:end]}, conversation_mask, start, end)
+        run_causally(model, before_decoding, {"input_ids": sequences[:, start:end]}, conversation_mask, start, end)
     cache.layers[:] = before_decoding.layers
 
 

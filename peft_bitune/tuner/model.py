@@ -48,6 +48,7 @@ from .checks import (
     check_prompts,
     check_token_ids,
     check_training_inputs,
+    positions_for,
 )
 from .config import BituneConfig
 from .fused_head import (
@@ -578,16 +579,18 @@ class BituneModel(BaseTuner):
         prompts, generation_config = self._checked_generation(cache, kwargs)
         return self._decode(prompts, cache, generation_config, kwargs)
 
-    def _checked_generation(self, cache: BituneCache | None, kwargs: dict[str, Any]) -> tuple[Prompts, Any]:
+    def _checked_generation(
+        self, cache: BituneCache | None, kwargs: dict[str, Any], without_adapter: bool = False
+    ) -> tuple[Prompts, Any]:
         """The checked prompts and generation config of a `generate` call (`kwargs` holds `input_ids`), for the
-        active adapter."""
+        active adapter, or for rows that run `without_adapter`."""
         input_ids = kwargs["input_ids"]
         # transformers' own resolution and checks of the generation arguments, before the prompt passes run.
         generation_config = generation.checked_generation_config(self.model, kwargs)
         attention_mask = kwargs.get("attention_mask")
         if attention_mask is None:
             attention_mask = compat.inferred_attention_mask(self.model, input_ids, generation_config)
-        prompts = self._checked_prompts(input_ids, attention_mask, cache, kwargs.get("inputs_embeds"))
+        prompts = self._checked_prompts(input_ids, attention_mask, cache, kwargs.get("inputs_embeds"), without_adapter)
         check_generation_fits(
             self._position_limit,
             generation_config,
@@ -597,10 +600,17 @@ class BituneModel(BaseTuner):
         return prompts, generation_config
 
     def _decode(
-        self, prompts: Prompts, cache: BituneCache | None, generation_config: Any, kwargs: dict[str, Any]
+        self,
+        prompts: Prompts,
+        cache: BituneCache | None,
+        generation_config: Any,
+        kwargs: dict[str, Any],
+        without_adapter: bool = False,
     ) -> Any:
-        """`generate` of checked prompts, with the active adapter."""
+        """`generate` of checked prompts, with the active adapter, or `without_adapter` (the model routed to none)."""
         with generation.checkpointing_off(self._router.index.checkpoint_layers):
+            if without_adapter:
+                return generation.decode_without_adapter(self.model, prompts, cache, generation_config, kwargs)
             return generation.decode(self._passes(), prompts, cache, generation_config, kwargs)
 
     def _checked_prompts(
@@ -609,15 +619,18 @@ class BituneModel(BaseTuner):
         attention_mask: torch.Tensor | None,
         cache: Any,
         inputs_embeds: torch.Tensor | None = None,
+        without_adapter: bool = False,
     ) -> Prompts:
         """The prompts of `prefill` or `generate`, checked where they enter: fresh ones by `check_prompts`, a
-        conversation going on by its cache (`BituneCache.checked_continuation`)."""
+        conversation going on by its cache (`BituneCache.checked_continuation`), and by the active adapter's way of
+        reading turns unless the rows run `without_adapter` (`"__base__"` rows of a mixed-adapter batch)."""
         if cache is None:
             return check_prompts(input_ids, attention_mask, self._position_limit, inputs_embeds)
         self._bitune_cache(cache)
         limit = self._position_limit
         prompts = cache.checked_continuation(self.model, input_ids, attention_mask, limit, inputs_embeds)
-        generation.check_history_continuation(self.peft_config[self.active_adapter].multi_turn, cache, prompts)
+        if not without_adapter:
+            generation.check_history_continuation(self.peft_config[self.active_adapter].multi_turn, cache, prompts)
         return prompts
 
     # ------------------------------------------------------------------ mixed-adapter batches
@@ -647,14 +660,21 @@ class BituneModel(BaseTuner):
     @contextmanager
     def _running(self, adapter_name: str) -> Iterator[None]:
         """Run with `adapter_name` as the active adapter (its weight sets, mixing scalars and settings) without
-        touching `requires_grad`, as `set_adapter` would; restored on exit."""
-        previous = self.active_adapter
-        self.active_adapter = adapter_name
+        touching `requires_grad`, as `set_adapter` would; `"__base__"` routes the layers to no adapter (the base
+        model). The layers stay routed to the adapter's causal weights between passes. Restored on exit."""
+        layers = self._router.index.tuner_layers
+        previous = self.active_adapter, [compat.routed_adapters(layer) for layer in layers]
         try:
-            with self._router.routed_to(self._inner_names(adapter_name)[CAUSAL]):
-                yield
+            if adapter_name == adapter_batches.BASE_ADAPTER:
+                compat.route_layers(layers, [])
+            else:
+                self.active_adapter = adapter_name
+                self._router.route_to(self._inner_names(adapter_name)[CAUSAL])
+            yield
         finally:
-            self.active_adapter = previous
+            self.active_adapter = previous[0]
+            for layer, active in zip(layers, previous[1]):
+                compat.route_layers([layer], active)
 
     def _mixed_forward(
         self,
@@ -678,18 +698,28 @@ class BituneModel(BaseTuner):
             )
         batch_size = (inputs["input_ids"] if inputs["input_ids"] is not None else inputs["inputs_embeds"]).shape[0]
         labels = inputs["labels"]
-        if labels is not None and num_items_in_batch is None and cache is None:
-            num_items_in_batch = adapter_batches.supervised_count(
-                labels, inputs["attention_mask"], inputs["prompt_mask"]
-            )
+        if cache is None:
+            # The whole batch checked first, as one batch (its row numbers in the errors), before any group runs.
+            arguments = dict(kwargs)
+            if inputs["shift_labels"] is not None:
+                arguments["shift_labels"] = inputs["shift_labels"]
+            check_training_inputs(inputs["input_ids"], inputs["inputs_embeds"], inputs["attention_mask"], labels,
+                                  inputs["prompt_mask"], arguments, self._position_limit)
+            if labels is not None and num_items_in_batch is None:
+                num_items_in_batch = adapter_batches.supervised_count(
+                    labels, inputs["attention_mask"], inputs["prompt_mask"]
+                )
         parts = []
         for group in groups:
             group_inputs = adapter_batches.split_arguments(inputs, group.rows)
             group_kwargs = adapter_batches.split_arguments(kwargs, group.rows)
             part_cache = None if cache is None else adapter_batches.cache_rows(self._bitune_cache(cache), group.rows)
             with self._running(group.adapter):
-                output = self.forward(**group_inputs, **group_kwargs, cache=part_cache,
-                                      num_items_in_batch=num_items_in_batch)
+                if group.adapter == adapter_batches.BASE_ADAPTER and cache is None:
+                    output = self._forward_without_adapter(group_inputs, num_items_in_batch)
+                else:
+                    output = self.forward(**group_inputs, **group_kwargs, cache=part_cache,
+                                          num_items_in_batch=num_items_in_batch)
             parts.append((group, output, part_cache))
         logits = adapter_batches.scatter_rows([(group.rows, output.logits) for group, output, _ in parts], batch_size)
         losses = [output.loss for _, output, _ in parts if output.loss is not None]
@@ -697,6 +727,24 @@ class BituneModel(BaseTuner):
             adapter_batches.merge_caches(cache, [(group.rows, part) for group, _, part in parts], batch_size)
             return CausalLMOutputWithPast(logits=logits, **{compat.CACHE_NAME: cache})
         return CausalLMOutputWithPast(loss=sum(losses) if losses else None, logits=logits)
+
+    def _forward_without_adapter(
+        self, inputs: dict[str, Any], num_items_in_batch: int | torch.Tensor | None
+    ) -> CausalLMOutputWithPast:
+        """The `"__base__"` rows of a mixed-adapter forward (the model routed to no adapter): the base model reads
+        each row once, causally, at its ordinary positions, and gives logits at every position. Their loss is the
+        summed cross-entropy of their supervised tokens, divided by the batch's count."""
+        sequence = inputs["input_ids"] if inputs["input_ids"] is not None else inputs["inputs_embeds"]
+        mask = inputs["attention_mask"]
+        if mask is None:
+            mask = torch.ones(sequence.shape[:2], dtype=torch.long, device=sequence.device)
+        logits = self.model(input_ids=inputs["input_ids"], inputs_embeds=inputs["inputs_embeds"], attention_mask=mask,
+                            position_ids=positions_for(mask)).logits
+        loss = None
+        if inputs["labels"] is not None:
+            loss_sum = adapter_batches.next_token_loss_sum(logits, inputs["labels"], mask, inputs["prompt_mask"])
+            loss = loss_sum / num_items_in_batch
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def _mixed_prefill(
         self,
@@ -713,12 +761,19 @@ class BituneModel(BaseTuner):
             part = None if cache is None else adapter_batches.cache_rows(self._bitune_cache(cache), group.rows)
             rows = adapter_batches.split_arguments({"input_ids": input_ids, "attention_mask": attention_mask},
                                                    group.rows)
+            base = group.adapter == adapter_batches.BASE_ADAPTER
             with self._running(group.adapter):
-                plans.append((group, part, self._checked_prompts(rows["input_ids"], rows["attention_mask"], part)))
+                prompts = self._checked_prompts(rows["input_ids"], rows["attention_mask"], part, without_adapter=base)
+            plans.append((group, part, prompts))
         parts = []
         for group, part, prompts in plans:
             with self._running(group.adapter):
-                parts.append((group.rows, self._prefill_checked(prompts, part)))
+                if group.adapter == adapter_batches.BASE_ADAPTER:
+                    part = BituneCache(config=self.model.config, owner=self.model) if part is None else part
+                    generation.read_without_adapter(self.model, part, prompts)
+                else:
+                    part = self._prefill_checked(prompts, part)
+            parts.append((group.rows, part))
         target = cache if cache is not None else BituneCache(config=self.model.config, owner=self.model)
         adapter_batches.merge_caches(target, parts, batch_size)
         return target
@@ -737,14 +792,16 @@ class BituneModel(BaseTuner):
         for group in groups:
             part = None if cache is None else adapter_batches.cache_rows(self._bitune_cache(cache), group.rows)
             group_kwargs = adapter_batches.split_arguments(kwargs, group.rows)
+            base = group.adapter == adapter_batches.BASE_ADAPTER
             with self._running(group.adapter):
-                prompts, generation_config = self._checked_generation(part, group_kwargs)
-            adapter_batches.check_mixed_generation(kwargs, generation_config, len(groups))
+                prompts, generation_config = self._checked_generation(part, group_kwargs, without_adapter=base)
+            adapter_batches.check_mixed_generation(kwargs, len(groups))
             plans.append((group, part, prompts, generation_config, group_kwargs))
         outputs = []
         for group, part, prompts, generation_config, group_kwargs in plans:
+            base = group.adapter == adapter_batches.BASE_ADAPTER
             with self._running(group.adapter):
-                outputs.append(self._decode(prompts, part, generation_config, group_kwargs))
+                outputs.append(self._decode(prompts, part, generation_config, group_kwargs, without_adapter=base))
         return self._merged_generation(plans, outputs, cache, batch_size)
 
     def _merged_generation(self, plans: list[tuple], outputs: list[Any], cache: BituneCache | None, batch_size: int):
@@ -773,16 +830,18 @@ class BituneModel(BaseTuner):
             adapter_batches.merge_caches(merged_cache, list(zip(rows, caches)), batch_size * per_row)
         if not returns_dict:
             return merged
-        return adapter_batches.merged_output(outputs, rows, merged, merged_cache, batch_size * per_row)
+        group_rows = [group.rows for group, *_ in plans]
+        return adapter_batches.merged_output(outputs, group_rows, merged, merged_cache, batch_size)
 
     @torch.no_grad()
     def _feed_padding(self, cache: BituneCache, sequences: torch.Tensor) -> None:
         """Extend `cache`, whose conversation ends before `sequences` does, by the columns it lacks (the last token it
-        was never fed, then padding), read causally as `generate` feeds the finished rows of a batch (attention 1)."""
+        was never fed, then padding), read causally as `generate` feeds the finished rows of a batch (attention 1),
+        with the weights `_running` routed the model to."""
         start, end = cache.get_seq_length(), sequences.shape[1] - 1
         fed = sequences.shape[1] - cache.conversation_length
         mask = torch.cat([cache.conversation_mask.long(), sequences.new_ones(sequences.shape[0], fed)], dim=1)
-        generation.run_causally(self._passes(), cache, {"input_ids": sequences[:, start:end]}, mask, start, end)
+        generation.run_causally(self.model, cache, {"input_ids": sequences[:, start:end]}, mask, start, end)
         cache.remember_conversation(sequences, mask)
 
     @staticmethod
