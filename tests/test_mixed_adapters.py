@@ -287,6 +287,29 @@ def test_groups_that_stop_early_are_padded_and_fed_their_padding_as_generate_fee
     assert turn.sequences[0, : own_turn.sequences.shape[1]].tolist() == own_turn.sequences[0].tolist()
 
 
+def test_rows_given_as_embeddings_are_split_with_their_rows(load_base):
+    model = with_adapters(load_base("llama"), 3)
+    names = ROUTES[3]
+    embed = model.get_input_embeddings()
+    _, batch, _ = padded_batch("left", VOCAB)
+    prompt_batch = left_padded(prompts(9, [3, 6, 2, 5]))
+    with torch.no_grad():
+        embeds = embed(batch["input_ids"]) * 1.5  # not the ids' own embeddings, so that reading them shows
+        prompt_embeds = embed(prompt_batch["input_ids"]) * 1.5
+        logits = model(inputs_embeds=embeds, attention_mask=batch["attention_mask"], labels=batch["labels"],
+                       adapter_names=names).logits
+    out = model.generate(**prompt_batch, inputs_embeds=prompt_embeds, **GREEDY, adapter_names=names)
+    for name, group in rows_by_adapter(names).items():
+        with torch.no_grad():
+            own = alone(model, name, lambda group=group: model(
+                inputs_embeds=embeds[group], attention_mask=batch["attention_mask"][group],
+                labels=batch["labels"][group]).logits)
+        assert torch.equal(logits[group], own)
+        own_out = alone(model, name, lambda group=group: model.generate(
+            **select(prompt_batch, group), inputs_embeds=prompt_embeds[group], **GREEDY))
+        assert torch.equal(out[group], own_out)
+
+
 # ------------------------------------------------------------------------------------------------------ __base__
 def test_base_rows_are_the_base_model_reading_each_row_once_causally(load_base):
     """`"__base__"` rows, as PEFT names rows without an adapter: the base model's logits, loss terms, answers and
@@ -385,3 +408,26 @@ def test_adapter_names_apply_to_their_own_call_only(load_base):
         base = model.generate(**batch, **GREEDY, adapter_names=["other"] * 4)
         assert torch.equal(base, model.generate(**batch, **GREEDY))
     assert not torch.equal(base, plain)
+
+
+def test_peft_hands_adapter_names_to_the_tuners_forward_hook(load_base, monkeypatch):
+    """A private interface: `PeftModel.forward` and `generate` drop `adapter_names` before calling the tuner, and hand
+    them to the tuner's `_enable_peft_forward_hooks` only. If PEFT changes that, the names would be lost silently."""
+    model = with_adapters(load_base("llama"), 2)
+    tuner_class = type(model.base_model)
+    hook, seen = tuner_class._enable_peft_forward_hooks, []
+
+    def recording(self, *args, **kwargs):
+        seen.append(kwargs.get("adapter_names"))
+        return hook(self, *args, **kwargs)
+
+    monkeypatch.setattr(tuner_class, "_enable_peft_forward_hooks", recording)
+    names = ["other", "default", "other", "default"]
+    _, batch, _ = padded_batch("right", VOCAB)
+    with torch.no_grad():
+        model(**batch, adapter_names=names)
+    model.generate(**left_padded(prompts(3, [2, 3, 4, 5])), **GREEDY, adapter_names=names)
+    assert seen == [names, names], (
+        "PEFT no longer hands `adapter_names` to the tuner's `_enable_peft_forward_hooks` in `PeftModel.forward` and "
+        "`generate`: find where it goes now and take it there (BituneModel._enable_peft_forward_hooks)."
+    )
