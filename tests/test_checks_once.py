@@ -56,8 +56,10 @@ def test_an_empty_row_is_refused_in_one_wording_everywhere(model, entry):
         entry(model, mask)()
 
 
-@pytest.mark.parametrize("entry", ENTRIES, ids=lambda entry: entry.__name__)
-def test_padding_between_real_tokens_is_refused_in_one_wording_everywhere(model, entry):
+@pytest.mark.parametrize("entry", [training_call, attention_maps_call], ids=lambda entry: entry.__name__)
+def test_padding_between_real_tokens_is_refused_in_one_wording_where_a_row_is_one_run(model, entry):
+    """A training row and the attention maps lay out each row's real tokens as one run; `prefill` and `generate` read
+    a hole as transformers does (`tests/test_generate.py`)."""
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[1, 2] = 0
     with pytest.raises(ValueError, match=HOLED_ROW):
@@ -105,8 +107,9 @@ def test_a_fresh_generate_checks_each_rule_once(model, counted_checks):
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[0, :2] = 0
     model.generate(input_ids=ids(), attention_mask=mask, max_new_tokens=2, do_sample=False)
-    # `attention_mask_for` is the mask's one shape check: `check_same_shape` runs inside it.
-    assert counted_checks == dict.fromkeys(COUNTED, 1)
+    # `attention_mask_for` is the mask's one shape check: `check_same_shape` runs inside it. A prompt need not be one
+    # run of real tokens (a hole is read as transformers reads it), so `check_contiguous_rows` does not run.
+    assert counted_checks == {name: 1 for name in COUNTED if name != "check_contiguous_rows"}
 
 
 def test_a_continued_chat_checks_each_rule_once(model, counted_checks):
@@ -128,19 +131,21 @@ def test_a_training_forward_checks_each_rule_once(model, counted_checks):
     assert counted_checks == {"check_same_shape": 2, "check_contiguous_rows": 1}
 
 
-def test_the_position_limit_is_read_once_per_model(model, monkeypatch):
-    """Reading it builds a transformers cache from the config (to see whether every layer slides): once per model,
-    not on every forward and `generate`."""
+def test_the_position_limit_and_the_sliding_windows_are_read_once_per_model(model, monkeypatch):
+    """Reading either builds a transformers cache from the config (to see which layers slide): once per model, not on
+    every forward and `generate`."""
     from peft_bitune.tuner import model as tuner_module
 
     calls = []
-    original = tuner_module.max_positions
-    monkeypatch.setattr(tuner_module, "max_positions", lambda base: calls.append(base) or original(base))
+    for name in ("max_positions", "has_sliding_window_layers"):
+        original = getattr(tuner_module, name)
+        monkeypatch.setattr(tuner_module, name, lambda base, _original=original: calls.append(base) or _original(base))
     bitune = model.base_model
     bitune.__dict__.pop("_position_limit_of", None)
+    bitune.__dict__.pop("_sliding_window_of", None)
     input_ids = ids()
     labels = input_ids.masked_fill(torch.arange(6) < 3, -100)
     for _ in range(2):
         model.train()(input_ids=input_ids, labels=labels)
         model.eval().generate(input_ids=input_ids, max_new_tokens=2, do_sample=False)
-    assert calls == [bitune.model]
+    assert calls == [bitune.model, bitune.model.config]

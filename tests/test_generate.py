@@ -475,3 +475,37 @@ def test_models_that_declare_more_positions_generate_past_max_position_embedding
     labels = out.clone()
     labels[:, :260] = -100
     assert torch.isfinite(model(input_ids=out, labels=labels).loss)
+
+
+@pytest.mark.parametrize(("arch", "attn_implementation"),
+                         [("llama", "eager"), ("llama", "sdpa"), ("gemma", "eager"), ("phi3", "sdpa")])
+def test_padding_between_real_tokens_is_read_as_transformers_reads_it(load_base, arch, attn_implementation):
+    """A 0 between 1s in a prompt's `attention_mask` (as in PEFT's own generate tests) is a token no position counts
+    and no token sees, as transformers reads it: `prefill` and `generate` give that row what they give the row
+    without the masked token, left-padded instead."""
+    model = make_bitune(load_base(arch, attn_implementation)).eval()
+    first, second = prompts(seed=11, lengths=[7, 6])
+    holed = {"input_ids": torch.stack([first, torch.cat([second[:2], torch.tensor([5]), second[2:]])]),
+             "attention_mask": torch.tensor([[1] * 7, [1, 1, 0, 1, 1, 1, 1]])}
+    removed = left_padded([first, second])
+    holed_cache, removed_cache = model.base_model.prefill(**holed), model.base_model.prefill(**removed)
+    real = [0, 1, 3, 4, 5]  # the second row's real columns of the prompt minus its last token, in each batch
+    for with_hole, without in zip(holed_cache.layers, removed_cache.layers):
+        for name in ("keys", "values"):
+            torch.testing.assert_close(getattr(with_hole, name)[1, :, real], getattr(without, name)[1, :, 1:],
+                                       atol=1e-5, rtol=0)
+    outputs = [model.generate(**batch, **GREEDY, output_scores=True, return_dict_in_generate=True)
+               for batch in (holed, removed)]
+    assert generated(outputs[0], holed).tolist() == generated(outputs[1], removed).tolist()
+    for step_holed, step_removed in zip(outputs[0].scores, outputs[1].scores):
+        torch.testing.assert_close(step_holed, step_removed, atol=1e-4, rtol=0)
+
+
+def test_padding_between_real_tokens_is_refused_by_sliding_window_layers(load_base):
+    """A sliding window counts cache columns, so a hole would widen it by a token: refused, before any compute."""
+    model = make_bitune(load_base("gemma3")).eval()
+    batch = {"input_ids": torch.stack(prompts(seed=11, lengths=[5, 5])), "attention_mask": torch.tensor(
+        [[1] * 5, [1, 0, 1, 1, 1]])}
+    for call in (model.base_model.prefill, lambda **inputs: model.generate(**inputs, **GREEDY)):
+        with pytest.raises(ValueError, match="sliding-window layers, whose window is counted in cache columns"):
+            call(**batch)

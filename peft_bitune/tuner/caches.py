@@ -35,8 +35,8 @@ from .checks import (
     check_embeddings,
     check_ends_with_real_tokens,
     check_fits_positions,
+    check_holes_fit_windows,
     check_same_shape,
-    has_holes,
 )
 from .prompt_pass_end import PromptPassComplete
 
@@ -244,12 +244,7 @@ class BituneCache(DynamicCache):
             )
         attention_mask = self.check_continuation(input_ids, attention_mask)
         check_ends_with_real_tokens(attention_mask)
-        if any(self.is_sliding) and bool(has_holes(attention_mask).any()):
-            raise ValueError(
-                "This model has sliding-window layers, whose window is counted in cache columns, and the conversation "
-                "has padding between real tokens (rows whose turns have different lengths). Continue such "
-                "conversations one row at a time, or pad the new instructions to equal lengths."
-            )
+        check_holes_fit_windows(attention_mask, any(self.is_sliding))
         check_fits_positions(int(attention_mask.sum(dim=1).max()), position_limit, "The conversation")
         return Prompts(input_ids, attention_mask, check_embeddings(inputs_embeds, input_ids))
 

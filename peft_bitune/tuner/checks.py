@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from ..constants import IGNORE_INDEX
 from ..utils.base_model import text_config
@@ -70,10 +71,13 @@ def check_rows(bad: torch.Tensor, message: str) -> None:
         raise ValueError(message.format(rows=format_rows(bad.nonzero().flatten().tolist())))
 
 
+EMPTY_ROWS = "Rows {rows} are empty (`attention_mask` all 0): every row needs at least one token."
+
+
 def check_contiguous_rows(valid: torch.Tensor) -> torch.Tensor:
     """Every row has real tokens, as one contiguous run; returns each row's number of real tokens."""
     lengths = valid.sum(dim=1)
-    check_rows(lengths == 0, "Rows {rows} are empty (`attention_mask` all 0): every row needs at least one token.")
+    check_rows(lengths == 0, EMPTY_ROWS)
     check_rows(
         has_holes(valid),
         "Rows {rows} have padding between real tokens: Bitune reads each row's real tokens as one run, so pad on "
@@ -152,15 +156,35 @@ def check_prompts(
     attention_mask: torch.Tensor | None,
     position_limit: int | None,
     inputs_embeds: torch.Tensor | None = None,
+    sliding_window: bool = False,
 ) -> Prompts:
-    """Refuse empty, right-padded, holed or over-long prompts before any compute (`input_ids` itself was checked by
-    `check_token_ids` where it entered)."""
+    """Refuse empty, right-padded or over-long prompts before any compute (`input_ids` itself was checked by
+    `check_token_ids` where it entered). Padding between real tokens is read as transformers reads it, as tokens no
+    position counts and no token sees, except by a model with `sliding_window` layers (`check_holes_fit_windows`)."""
     attention_mask = attention_mask_for(input_ids, attention_mask)
     valid = attention_mask.bool()
-    lengths = check_contiguous_rows(valid)
+    check_rows(~valid.any(dim=1), EMPTY_ROWS)
+    check_holes_fit_windows(valid, sliding_window)
     check_ends_with_real_tokens(valid)
-    check_fits_positions(int(lengths.max()), position_limit, "A prompt")
+    check_fits_positions(int(valid.sum(dim=1).max()), position_limit, "A prompt")
     return Prompts(input_ids, attention_mask, check_embeddings(inputs_embeds, input_ids))
+
+
+def check_holes_fit_windows(attention_mask: torch.Tensor, sliding_window: bool) -> None:
+    """Refuse padding between real tokens of a row on a model with sliding-window layers: their window is counted in
+    cache columns, so a hole would let a token see one real token fewer than the same row without it."""
+    if sliding_window and bool(has_holes(attention_mask).any()):
+        raise ValueError(
+            "This model has sliding-window layers, whose window is counted in cache columns, and rows have padding "
+            "between real tokens (an `attention_mask` with a 0 between 1s, or conversation turns of different "
+            "lengths). Pad each prompt on the left only, or continue such conversations one row at a time, or pad "
+            "the new instructions to equal lengths."
+        )
+
+
+def has_sliding_window_layers(config: Any) -> bool:
+    """Whether a generation cache of the model has a sliding-window layer (transformers' own cache decides)."""
+    return any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=config).layers)
 
 
 def check_generation_fits(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,6 +48,7 @@ from .checks import (
     check_prompts,
     check_token_ids,
     check_training_inputs,
+    has_sliding_window_layers,
     positions_for,
 )
 from .config import BituneConfig
@@ -178,9 +179,18 @@ class BituneModel(BaseTuner):
     def _position_limit(self) -> int | None:
         """How many positions a sequence may take on this model (`max_positions`); read once per model, kept out of the
         module tree."""
-        cached = self.__dict__.get("_position_limit_of")
+        return self._read_once("_position_limit_of", max_positions)
+
+    @property
+    def _sliding_window(self) -> bool:
+        """Whether the model has a sliding-window layer (`has_sliding_window_layers`); read once per model."""
+        return self._read_once("_sliding_window_of", lambda model: has_sliding_window_layers(model.config))
+
+    def _read_once(self, key: str, read: Callable[[nn.Module], Any]) -> Any:
+        """`read(self.model)`, kept (out of the module tree) for as long as the tuner wraps the same model."""
+        cached = self.__dict__.get(key)
         if cached is None or cached[0] is not self.model:
-            cached = self.__dict__["_position_limit_of"] = (self.model, max_positions(self.model))
+            cached = self.__dict__[key] = (self.model, read(self.model))
         return cached[1]
 
     @contextmanager
@@ -625,7 +635,8 @@ class BituneModel(BaseTuner):
         conversation going on by its cache (`BituneCache.checked_continuation`), and by the active adapter's way of
         reading turns unless the rows run `without_adapter` (`"__base__"` rows of a mixed-adapter batch)."""
         if cache is None:
-            return check_prompts(input_ids, attention_mask, self._position_limit, inputs_embeds)
+            return check_prompts(input_ids, attention_mask, self._position_limit, inputs_embeds,
+                                 sliding_window=self._sliding_window)
         self._bitune_cache(cache)
         limit = self._position_limit
         prompts = cache.checked_continuation(self.model, input_ids, attention_mask, limit, inputs_embeds)
