@@ -10,7 +10,7 @@ from peft_bitune import BituneConfig
 from peft_bitune.tuner.checks import has_holes
 from peft_bitune.tuner.passes import BitunePasses
 from reference import make_bitune
-from tiny_models import VOCAB
+from tiny_models import COMMON, VOCAB
 
 
 @pytest.mark.parametrize(
@@ -90,6 +90,36 @@ def test_models_without_a_kv_cache_decoder_are_refused_at_get_peft_model():
                                              num_heads=2))
     with pytest.raises(ValueError, match="encoder-decoder"):
         get_peft_model(t5, BituneConfig(adapter_config=LoraConfig(target_modules=["q", "v"])))
+
+
+def hybrid_recurrent_configs():
+    """Tiny hybrids whose cache holds a recurrent state: a Qwen3-Next linear-attention (gated delta net) layer before
+    a full-attention one, and Falcon-H1, whose every layer runs attention and Mamba side by side."""
+    from transformers import FalconH1Config, Qwen3NextConfig
+
+    return [
+        pytest.param(Qwen3NextConfig(
+            num_key_value_heads=2, head_dim=8, layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            **COMMON), "`linear_attention`", id="qwen3_next"),
+        pytest.param(FalconH1Config(
+            num_key_value_heads=2, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
+            mamba_chunk_size=8, **COMMON), "`hybrid`", id="falcon_h1"),
+    ]
+
+
+@pytest.mark.parametrize(("config", "layer_type"), hybrid_recurrent_configs())
+def test_models_with_recurrent_layers_are_refused_at_get_peft_model(config, layer_type):
+    """transformers' own words otherwise come at the first forward: "Cannot get recurrent state for non linear
+    attention layer 0 of type PassCacheLayer"."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_config(config)
+    refusal = f"layer 0 \\({layer_type}\\) has a linear-attention or Mamba part.*recurrent state"
+    with pytest.raises(ValueError, match=refusal):
+        get_peft_model(base, BituneConfig(adapter_config=LoraConfig(target_modules=["q_proj", "v_proj"])))
+    assert not any("lora_" in name for name, _ in base.named_parameters()), "weights were created before the refusal"
 
 
 def test_merge_is_refused_with_the_reason(load_base):

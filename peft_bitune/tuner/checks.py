@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from ..constants import IGNORE_INDEX
 from ..utils.base_model import text_config
@@ -392,3 +393,25 @@ def check_base_model_supported(model: Any) -> None:
         )
     if not hasattr(text_config(model), "num_hidden_layers"):
         raise ValueError(f"Cannot find `num_hidden_layers` in the config of {type(model).__name__}.")
+    check_no_recurrent_layers(model)
+
+
+def check_no_recurrent_layers(model: Any) -> None:
+    """
+    Refuse a model with a linear-attention or Mamba (state-space) layer, such as Qwen3-Next, Falcon-H1, Jamba or Mamba:
+    its cache holds a recurrent state (one summary of the whole prefix, and a convolution window) where an attention
+    layer holds keys and values per position. Bitune mixes the two prompt passes' keys and values position by
+    position, which is not defined for a recurrent state. transformers' own cache says which layers hold one.
+    """
+    config = text_config(model)
+    layers = DynamicCache(config=config).layers
+    recurrent = [index for index, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    if recurrent:
+        index, layer_types = recurrent[0], getattr(config, "layer_types", None)
+        kind = layer_types[index] if layer_types else type(layers[index]).__name__
+        raise ValueError(
+            f"Bitune cannot tune {type(model).__name__}: layer {index} (`{kind}`) has a linear-attention or Mamba "
+            "part, whose cache is a recurrent state, not keys and values per position; Bitune mixes its two prompt "
+            "passes' keys/values position by position, which is not defined for a recurrent state. Use a model whose "
+            "layers are all attention layers."
+        )
