@@ -77,6 +77,37 @@ def test_prefill_holds_exactly_the_mixed_keys_and_values_of_prompt_minus_last(lo
             torch.testing.assert_close(layer.values[i : i + 1, :, -kept:], ref_layer.values, atol=1e-5, rtol=0)
 
 
+def test_multi_head_latent_attention_mixes_the_compressed_latent_and_the_rotary_keys(load_base):
+    """DeepSeek-V3, as docs/index.md says: transformers caches each token's compressed keys/values (one head,
+    `kv_lora_rank` wide) and its rotary keys (one head) in the keys and values slots, so these are what the prefill
+    mixes (checked against the per-row reference); the bidirectional set's `kv_b_proj`, which expands the latent, acts
+    only inside its own pass: at the last layer it shapes nothing the prefill keeps."""
+    model = make_bitune(load_base("deepseek_v3")).eval()
+    config = model.base_model.model.config
+    rows = prompts(seed=7, lengths=[5, 11])
+    batch = left_padded(rows)
+    cache = model.base_model.prefill(**batch)
+    width = batch["input_ids"].shape[1]
+    for layer in cache.layers:
+        assert layer.keys.shape == (2, 1, width - 1, config.kv_lora_rank)
+        assert layer.values.shape == (2, 1, width - 1, config.qk_rope_head_dim)
+    for i, row in enumerate(rows):
+        expected = reference_prefill(model, row[None])
+        real = slice(width - len(row), width - 1)  # the row's prompt[:-1], left-padded
+        for layer, ref_layer in zip(cache.layers, expected.layers):
+            torch.testing.assert_close(layer.keys[i : i + 1, :, real], ref_layer.keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(layer.values[i : i + 1, :, real], ref_layer.values, atol=1e-5, rtol=0)
+    last = config.num_hidden_layers - 1
+    expansion = model.get_parameter(
+        f"base_model.model.model.layers.{last}.self_attn.kv_b_proj.lora_B.default__bidirectional.weight"
+    )
+    with torch.no_grad():
+        expansion.mul_(5)
+    again = model.base_model.prefill(**batch)
+    for layer, before in zip(again.layers, cache.layers):
+        assert torch.equal(layer.keys, before.keys) and torch.equal(layer.values, before.values)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_beam_search_and_several_return_sequences_batched_equal_alone(load_base, arch):
     model = make_bitune(load_base(arch)).eval()

@@ -73,7 +73,8 @@ def reference_maps(model, row_prompt: torch.Tensor, layer=None, head=None) -> di
 
 
 # ---------------------------------------------------------------------------------------------------- attention maps
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+# gpt-oss's attention sinks (a learned logit per head in every softmax, with no value) take a share of every row.
+@pytest.mark.parametrize("arch", [arch for arch in ARCHITECTURES if arch != "gpt_oss"])
 def test_maps_are_row_stochastic_masked_and_shaped_like_the_prompt_passes(load_base, arch):
     model = make_bitune(load_base(arch))
     input_ids, attention_mask = prompts(length=9, padding="left")

@@ -11,14 +11,19 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden
 def model_configs() -> dict:
     """Each architecture's tiny config, by name (new objects at every call)."""
     from transformers import (
+        DeepseekV3Config,
         Gemma2Config,
         Gemma3TextConfig,
         GemmaConfig,
+        GptOssConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
+        SmolLM3Config,
     )
 
     # Sliding windows are small (6) so that the test prompts cross them.
@@ -34,6 +39,29 @@ def model_configs() -> dict:
             layer_types=["sliding_attention", "full_attention"], **COMMON
         ),
         "phi3": Phi3Config(num_key_value_heads=2, **COMMON),
+        # Mixtures of experts, with few experts: the router picks 2 of 4 for each token.
+        "qwen3_moe": Qwen3MoeConfig(
+            num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            mlp_only_layers=[1], **COMMON  # one sparse layer, one dense
+        ),
+        "mixtral": MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **COMMON),
+        # Attention sinks (a learned logit per head in every softmax), a sliding and a full layer, YaRN positions.
+        "gpt_oss": GptOssConfig(
+            num_key_value_heads=2, head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+            num_local_experts=4, num_experts_per_tok=2,
+            rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                 rope_theta=150000.0, beta_fast=32.0, beta_slow=1.0, truncate=False),
+            **COMMON,
+        ),
+        # Multi-head latent attention (queries and keys/values through low-rank projections; the cache holds the
+        # compressed keys/values and the rotary part of the keys), a dense first layer and a mixture of experts after.
+        "deepseek_v3": DeepseekV3Config(
+            num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+            v_head_dim=8, first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_group=1, topk_group=1, **COMMON
+        ),
+        # No position embedding (NoPE) on the second layer, rotary positions on the first.
+        "smollm3": SmolLM3Config(num_key_value_heads=2, no_rope_layers=[1, 0], **COMMON),
     }
 
 
