@@ -373,6 +373,43 @@ def test_checkpointing_recomputes_the_prompt_keys_values_exactly(load_base, arch
 
 
 @pytest.mark.parametrize("heads", ["grouped_query", "multi_head"])
+def test_checkpointing_draws_the_prompt_passes_dropout_masks_once(load_base, heads):
+    """With dropout in the weight sets, a checkpointed step recomputes each prompt-pass layer from the random state it
+    first ran with, so its keys, values and gradients are those of the dropout masks the pass drew: from one seed, the
+    loss and gradients equal those of a checkpointed step that records the keys/values instead (as Bitune does
+    without checkpointing; a step without checkpointing may end a prompt pass early, drawing fewer masks)."""
+    from dataclasses import replace
+
+    from peft import LoraConfig
+
+    adapter_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                                lora_dropout=0.5)
+    base = (lambda: load_base("llama")) if heads == "grouped_query" else (lambda: multi_head_base("llama"))
+    _, batch, _ = make_batch("right")
+    steps = []
+    for recompute in (False, True):
+        model = make_bitune(base(), adapter_config)
+        compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
+        tuner = model.base_model
+        passes = type(tuner)._passes
+        model.train()
+        assert passes(tuner).recompute_prompt
+        tuner._passes = lambda tuner=tuner, recompute=recompute: replace(passes(tuner), recompute_prompt=recompute)
+        torch.manual_seed(1)
+        loss = model(**batch).loss
+        loss.backward()
+        steps.append((loss, trainable_grads(model)))
+    (loss, expected), (checkpointed_loss, got) = steps
+    torch.testing.assert_close(checkpointed_loss, loss)
+    assert got.keys() == expected.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=0, msg=name)
+    torch.manual_seed(2)  # another draw gives another loss: the dropout is in the step
+    model.zero_grad()
+    assert not torch.allclose(model(**batch).loss, checkpointed_loss)
+
+
+@pytest.mark.parametrize("heads", ["grouped_query", "multi_head"])
 def test_checkpointing_holds_no_mix_across_layers(load_base, monkeypatch, heads):
     """Under activation checkpointing, a single-turn training step never holds the mix of the prompt passes: each
     answer-pass layer computes it where it reads it and its backward computes it again. The prompt passes leave
