@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -407,6 +408,25 @@ def test_checkpointing_draws_the_prompt_passes_dropout_masks_once(load_base, hea
     torch.manual_seed(2)  # another draw gives another loss: the dropout is in the step
     model.zero_grad()
     assert not torch.allclose(model(**batch).loss, checkpointed_loss)
+
+
+def test_a_checkpointed_step_runs_under_a_module_tracker(load_base):
+    """`FlopCounterMode` (and torch's other module trackers) put multi-grad hooks on every module's inputs; the
+    prompt passes' layers, differentiated inside the answer pass's backward, run under them with the same gradients."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _, batch, _ = make_batch("right")
+    grads = []
+    for tracked in (False, True):
+        model = make_bitune(load_base("llama"))
+        compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
+        model.train()
+        with FlopCounterMode(display=False) if tracked else contextlib.nullcontext():
+            model(**batch).loss.backward()
+        grads.append(trainable_grads(model))
+    assert grads[1].keys() == grads[0].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("heads", ["grouped_query", "multi_head"])

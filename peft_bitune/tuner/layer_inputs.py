@@ -16,8 +16,9 @@ the pass's weights, ended at its cache update), as one autograd node per pass an
 chained through the layer inputs they carry, and each node's backward runs its layer's backward (the whole layer,
 recomputed from its input) as soon as the answer pass's backward has reached that layer. So a step holds, beyond
 LoRA's, the second prompt pass's layer inputs, and one layer's gradient at a time. It costs recomputing the layers up
-to their cache update in the forward (and in the answer layer's checkpointed recomputation): 1.17 to 1.24 times a
-step's time on a CPU on a small model, `benchmarks/prompt_boundary.py`.
+to their cache update in the forward (and in the answer layer's checkpointed recomputation): 1.02 to 1.05 times the
+step time of recording the keys/values on SmolLM2's shape, 1.11 made multi-head, on a CPU
+(`benchmarks/prompt_boundary.py`).
 """
 
 from __future__ import annotations
@@ -208,7 +209,9 @@ class _ChainedPromptLayer(torch.autograd.Function):
         next_grad = grads[-1] if ctx.passes_on else None
         hidden_states = ctx.call.hidden_states.detach().requires_grad_()
         with torch.enable_grad(), torch.autocast(**ctx.autocast):
-            keys, values, output = ctx.call.run(hidden_states, to_end=next_grad is not None)
+            # The layer reads a view, not the leaf itself: a multi-grad hook put on the layer's input (module
+            # trackers, `FlopCounterMode`) cannot be evaluated for a leaf inside `autograd.grad`.
+            keys, values, output = ctx.call.run(hidden_states.view_as(hidden_states), to_end=next_grad is not None)
         used = [(tensor, grad) for tensor, grad in ((keys, key_grad), (values, value_grad), (output, next_grad))
                 if grad is not None]
         inputs = (hidden_states, *ctx.params)

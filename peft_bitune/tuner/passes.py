@@ -8,8 +8,9 @@ For each instruction segment x_1..x_m of a training row:
 4. the answer pass runs x_m and the answer causally, with the causal weights, over the mixed cache.
 
 In a training step each decoder layer of the answer pass computes the mix where it reads it, from what the prompt
-passes left: their keys/values, or under checkpointing on multi-head models their layer inputs, from which it
-recomputes the keys/values (`layer_inputs.py`); the mix is never held across layers. Only the turns a later turn of
+passes left: their keys/values, or under checkpointing their layer inputs, from which it recomputes the keys/values
+and, in its backward, differentiates the prompt passes' layer at once (`layer_inputs.py`); the mix is never held
+across layers. Only the turns a later turn of
 the same row reads (multi-turn rows) are recorded and mixed at once, since every layer of every later pass reads them.
 `generate` runs steps 1-3 on the prompt through `BitunePasses.read_twice`, recording. The tuner (`BituneModel`)
 builds a `BitunePasses` for each forward: it hands over the model, how to route the layers to a weight set, the mixing
@@ -55,9 +56,10 @@ class BitunePasses:
         second_pass_attention (`str`): the mask of the bidirectional prompt pass (`"causal"` is the paper's ablation).
         stop_early (`bool`): whether a prompt pass may end once the last layer has recorded its keys/values (see
             `prompt_pass_end.may_end_early`).
-        recompute_prompt (`bool`): whether a training step's prompt passes leave their layer inputs for the answer
-            pass to recompute their keys/values from, rather than the keys/values (`layer_inputs.py`); only where
-            each cache layer has its decoder layer in `decoder_layer_paths`.
+        recompute_prompt (`bool`): whether a training step's prompt passes run their decoder layers without
+            autograd and leave their layer inputs, read layer by layer by the answer pass (`layer_inputs.py`), rather
+            than their keys/values; under checkpointing, where each cache layer has its decoder layer in
+            `decoder_layer_paths`.
         decoder_layer_paths (`Sequence[LayerPath]`): where each decoder layer sits, to find FSDP2 units.
     """
 
