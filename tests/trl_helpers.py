@@ -210,3 +210,6 @@ if __name__ == "__main__":
 
     if PartialState().is_main_process:
         Path(output_dir, "log_history.json").write_text(json.dumps(history))
+    # Leaving with gloo's process group alive can abort a process at exit ("terminate called without an active
+    # exception", seen once in CI after training had finished), failing the launch.
+    PartialState().destroy_process_group()
