@@ -10,8 +10,8 @@ For each instruction segment x_1..x_m of a training row:
 In a training step each decoder layer of the answer pass computes the mix where it reads it, from what the prompt
 passes left: their keys/values, or under checkpointing their layer inputs, from which it recomputes the keys/values
 and, in its backward, differentiates the prompt passes' layer at once (`layer_inputs.py`); the mix is never held
-across layers. Only the turns a later turn of
-the same row reads (multi-turn rows) are recorded and mixed at once, since every layer of every later pass reads them.
+across layers. Only the turns a later turn of the same row reads (multi-turn rows) are recorded and mixed at once,
+since every layer of every later pass reads them.
 `generate` runs steps 1-3 on the prompt through `BitunePasses.read_twice`, recording. The tuner (`BituneModel`)
 builds a `BitunePasses` for each forward: it hands over the model, how to route the layers to a weight set, the mixing
 scalars of the active adapter and the choices that depend on how the model is wrapped.
