@@ -53,13 +53,6 @@ def num_layers(model: Any) -> int:
     return text_config(model).num_hidden_layers
 
 
-def key_value_width(text_config: Any) -> int:
-    """The width of one token's keys (or values) at one layer: key/value heads x head size."""
-    heads = text_config.num_attention_heads
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-    return kv_heads * (getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
-
-
 def decoder_of(model: Any) -> Any:
     """The decoder stack under the LM head (e.g. `LlamaModel` inside `LlamaForCausalLM`)."""
     return model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
