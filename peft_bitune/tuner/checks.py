@@ -183,11 +183,6 @@ def check_holes_fit_windows(attention_mask: torch.Tensor, sliding_window: bool) 
         )
 
 
-def has_sliding_window_layers(config: Any) -> bool:
-    """Whether a generation cache of the model has a sliding-window layer (transformers' own cache decides)."""
-    return any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=config).layers)
-
-
 def check_generation_fits(
     position_limit: int | None, generation_config: Any, max_length_is_set: bool, attention_mask: torch.Tensor
 ) -> None:

@@ -37,7 +37,7 @@ from ..constants import (
 )
 from ..persistence.base_model_records import match_base_model
 from ..persistence.checkpoint_keys import checkpoint_key, loaded_adapter_state, saved_adapter_state
-from ..utils.base_model import max_positions, num_layers
+from ..utils.base_model import has_sliding_window_layers, max_positions, num_layers
 from . import adapter_batches, generation
 from .caches import BituneCache
 from .checks import (
@@ -48,7 +48,6 @@ from .checks import (
     check_prompts,
     check_token_ids,
     check_training_inputs,
-    has_sliding_window_layers,
     positions_for,
 )
 from .config import BituneConfig

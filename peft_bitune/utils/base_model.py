@@ -40,12 +40,22 @@ def has_rope_scaling(config: Any) -> bool:
     )
 
 
-def slides_on_every_layer(config: Any) -> bool:
-    """Whether every layer attends within a sliding window, as transformers' own generation cache sees it."""
+def sliding_window_layers(config: Any) -> list[bool]:
+    """Which layers attend within a sliding window, as transformers' own generation cache sees them."""
     from transformers import DynamicCache
 
-    sliding = DynamicCache(config=config).is_sliding
+    return list(DynamicCache(config=config).is_sliding)
+
+
+def slides_on_every_layer(config: Any) -> bool:
+    """Whether every layer attends within a sliding window."""
+    sliding = sliding_window_layers(config)
     return bool(sliding) and all(sliding)
+
+
+def has_sliding_window_layers(config: Any) -> bool:
+    """Whether any layer attends within a sliding window."""
+    return any(sliding_window_layers(config))
 
 
 def num_layers(model: Any) -> int:
