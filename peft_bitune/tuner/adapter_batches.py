@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from .. import compat
 from ..constants import IGNORE_INDEX
 from .caches import BituneCache
+from .mixing import at_least_float32
 
 # PEFT's name for the rows of a mixed batch that run without any adapter.
 BASE_ADAPTER = "__base__"
@@ -87,31 +88,35 @@ def split_arguments(arguments: dict[str, Any], rows: torch.Tensor) -> dict[str, 
     }
 
 
-def supervised_count(
+def supervised_tokens(
     labels: torch.Tensor, attention_mask: torch.Tensor | None, prompt_mask: torch.Tensor | None
 ) -> torch.Tensor:
     """The supervised tokens of a batch, as the Bitune forward counts them: labelled real tokens outside the
-    instruction."""
+    instruction, as a boolean tensor of the labels' shape."""
     supervised = labels != IGNORE_INDEX
     if attention_mask is not None:
         supervised &= attention_mask.to(labels.device).bool()
     if prompt_mask is not None:
         supervised &= ~prompt_mask.to(labels.device).bool()
-    return supervised.sum()
+    return supervised
+
+
+def supervised_count(
+    labels: torch.Tensor, attention_mask: torch.Tensor | None, prompt_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """How many tokens `supervised_tokens` marks."""
+    return supervised_tokens(labels, attention_mask, prompt_mask).sum()
 
 
 def next_token_loss_sum(
     logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor, prompt_mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """The summed next-token cross-entropy (in float32 at least) of the tokens `supervised_count` counts, from logits
+    """The summed next-token cross-entropy (in float32 at least) of the tokens `supervised_tokens` marks, from logits
     at every position (the `"__base__"` rows)."""
-    supervised = labels != IGNORE_INDEX
-    supervised &= attention_mask.to(labels.device).bool()
-    if prompt_mask is not None:
-        supervised &= ~prompt_mask.to(labels.device).bool()
+    supervised = supervised_tokens(labels, attention_mask, prompt_mask)
     targets = labels.masked_fill(~supervised, IGNORE_INDEX)[:, 1:]
     scores = logits[:, :-1]
-    scores = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+    scores = scores.to(at_least_float32(scores.dtype))
     return F.cross_entropy(scores.reshape(-1, scores.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
                            reduction="sum")
 
