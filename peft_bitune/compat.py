@@ -8,11 +8,12 @@ Everything peft-bitune needs from other libraries beyond their public API, decid
    - transformers 5.23 renamed gradient checkpointing to activation checkpointing: the `TrainingArguments`
      `gradient_checkpointing` (and `_kwargs`) and `gradient_checkpointing_enable` became `activation_checkpointing*`
      (the old names go away in 6.0).
-2. Private attributes and methods of transformers, PEFT, torch, accelerate and bitsandbytes that Bitune must read or
-   set because no public interface does what it needs: routing PEFT's layers to one weight set, keeping caches in
+2. Private attributes and methods of transformers, PEFT, torch, accelerate, bitsandbytes and TRL that Bitune must read
+   or set because no public interface does what it needs: routing PEFT's layers to one weight set, keeping caches in
    checkpointed layers, one more position in the generation cache's sliding-window layers, transformers' own
    resolution of generation arguments, finding hooks around a module's forward, adding a member to PEFT's closed
-   `PeftType` enum, keeping bitsandbytes' 4-bit layers out of their CPU inference layout. Each one has a test in
+   `PeftType` enum, keeping bitsandbytes' 4-bit layers out of their CPU inference layout, splitting `bitune-sft`'s
+   command line as `trl sft` does. Each one has a test in
    tests/test_private_interfaces.py that fails with a clear message when an upgrade moves it.
 
 Every other module uses these through the functions here. Overrides of other libraries' private methods must live
@@ -340,3 +341,12 @@ def keep_out_of_cpu_inference_layout(layer: nn.Module) -> None:
     without gradients) when the instance attribute `support_avx512bf16_for_cpu`, set in its `__init__` from the CPU's
     features, is true. Releases without the repacking do not read it."""
     layer.support_avx512bf16_for_cpu = False
+
+
+# ------------------------------------------------------------------------------------------------------------- TRL
+def without_launcher_arguments(argv: list[str], launcher_arguments: list[str]) -> list[str]:
+    """`argv` less `launcher_arguments` (an ordered subsequence of it, those `accelerate launch` takes): the training
+    script's arguments, split as `trl sft` splits them (`trl.cli.commands.training._subtract_subsequence`)."""
+    from trl.cli.commands.training import _subtract_subsequence
+
+    return _subtract_subsequence(argv, launcher_arguments)

@@ -309,3 +309,12 @@ def test_bitsandbytes_repacks_4bit_layers_for_cpu_inference_only_where_compat_ex
     kept.train()
     kept(inputs).sum().backward()
     assert inputs.grad is not None
+
+
+# ------------------------------------------------------------------------------------------------------------- TRL
+def test_trl_splits_the_launcher_arguments_off_the_command_line():
+    argv = ["--model_name_or_path", "m", "--num_processes", "2", "--output_dir", "out", "--num_processes", "x"]
+    assert compat.without_launcher_arguments(argv, ["--num_processes", "2"]) == [
+        "--model_name_or_path", "m", "--output_dir", "out", "--num_processes", "x"
+    ], UPGRADE.format(library="TRL", does="removes an ordered subsequence of arguments once, in order",
+                      function="without_launcher_arguments")

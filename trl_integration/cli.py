@@ -37,10 +37,7 @@ from peft import PeftConfig
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
-# TRL's own split of `trl <command>`'s arguments into the launcher's and the script's (private; `trl<2` is pinned).
-from trl.cli.commands.training import _subtract_subsequence
-
-from peft_bitune import BituneConfig
+from peft_bitune import BituneConfig, compat
 from peft_bitune.utils.command_line_numbers import number_problem
 
 from .config import REFUSED_OPTIONS, BituneSFTConfig
@@ -199,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     refuse_before_any_work(configs)
     launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
-    training_script_args = _subtract_subsequence(argv, cli_remaining)
+    training_script_args = compat.without_launcher_arguments(argv, cli_remaining)
     launch_parser = launch_command_parser()
     _, unknown = launch_parser.parse_known_args([*launch_args, "--module", TRAINING_MODULE])
     if unknown:
