@@ -1,6 +1,8 @@
 """
 Peak memory of one training step, LoRA against Bitune, each with its loss computed the way its trainer computes it.
 
+    python benchmarks/training_memory.py --memory_cap_gib 10 --autocast \
+        --json docs/results/training_memory_autocast.json  # as the trainer runs it with bf16=True (~50 min)
     python benchmarks/training_memory.py --memory_cap_gib 10 --json docs/results/training_memory.json  # all (~45 min)
     python benchmarks/training_memory.py --shapes smollm2-135m --dtype float32
     python benchmarks/training_memory.py --json docs/results/training_memory.json --resume  # go on after a stop
@@ -8,7 +10,11 @@ Peak memory of one training step, LoRA against Bitune, each with its loss comput
         --remeasure bitune  # after a change to Bitune: its rows measured again, the others kept
 
 The peak is the bytes allocated during one step (forward, loss, TRL's metrics, backward) above what was allocated
-before it (`measure.peak_bytes_during`: the weights and the batch are not counted). Methods:
+before it (`measure.peak_bytes_during`: the weights and the batch are not counted). With `--autocast` the forward, the
+loss and the metrics run under `torch.autocast(bfloat16)` and the backward after it, as transformers' `Trainer` runs
+a step with `bf16=True` (`BituneSFTConfig`'s default, and what TRL runs on a GPU); CPU autocast stands in for CUDA's.
+The weights are bf16 either way, but PEFT keeps the adapters (and Bitune its mixing scalars) in float32: without
+autocast their products run in float32, under it in bf16. Methods:
 
 - `lora`: TRL's `SFTTrainer` (1.16): `model(**batch, fused_lm_head=True)` through its fused LM head
   (`trl.trainer.utils.add_fused_lm_head`), which projects through the LM head in tiles and returns per-token
@@ -99,20 +105,32 @@ def prepared_model(base: torch.nn.Module, method: str, checkpointing: bool) -> t
     return model.train()
 
 
-def step_function(model: torch.nn.Module, method: str, batch: dict[str, torch.Tensor]) -> Callable[[], None]:
-    """One training step of `method` on `batch`, its loss computed as its trainer computes it."""
+def trainer_autocast(device: torch.device, autocast: bool):
+    """What transformers' `Trainer` runs `compute_loss` under: bf16 autocast with `bf16=True`, nothing otherwise (the
+    backward runs after it, outside)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
+
+
+def step_function(model: torch.nn.Module, method: str, batch: dict[str, torch.Tensor],
+                  autocast: bool = False) -> Callable[[], None]:
+    """One training step of `method` on `batch`, its loss computed as its trainer computes it (under bf16 autocast
+    with `autocast`, as `Trainer` does with `bf16=True`)."""
+    device = batch["input_ids"].device
 
     def sft() -> None:  # trl.SFTTrainer.compute_loss, default "nll" loss, and its metrics; then Trainer's backward
-        outputs = model(**batch, use_cache=False, fused_lm_head=True)
-        loss = (-outputs.log_probs).sum() / outputs.label_mask.sum().clamp(min=1)
-        with torch.no_grad():
-            num_valid = outputs.label_mask.sum()
-            _metrics = (outputs.entropy.detach().sum() / num_valid, outputs.is_top1.sum() / num_valid)
-        del outputs  # the Trainer keeps the loss only
+        with trainer_autocast(device, autocast):
+            outputs = model(**batch, use_cache=False, fused_lm_head=True)
+            loss = (-outputs.log_probs).sum() / outputs.label_mask.sum().clamp(min=1)
+            with torch.no_grad():
+                num_valid = outputs.label_mask.sum()
+                _metrics = (outputs.entropy.detach().sum() / num_valid, outputs.is_top1.sum() / num_valid)
+            del outputs  # the Trainer keeps the loss only
         loss.backward()
 
     def lora_full_logits() -> None:  # transformers.Trainer.compute_loss
-        model(**batch, use_cache=False).loss.backward()
+        with trainer_autocast(device, autocast):
+            loss = model(**batch, use_cache=False).loss
+        loss.backward()
 
     # LoRA through TRL's `SFTTrainer`, Bitune through `BituneSFTTrainer`, whose loss is `SFTTrainer.compute_loss`
     # itself: the Bitune forward answers the fused-head call from its answer passes (peft_bitune/tuner/fused_head.py).
@@ -152,7 +170,7 @@ def fused_head_as_on_cuda(device: torch.device) -> Iterator[None]:
 
 
 def fused_head_bytes(config, batch_shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype,
-                     skip_arithmetic: bool) -> tuple[int, int]:
+                     skip_arithmetic: bool, autocast: bool = False) -> tuple[int, int]:
     """TRL's fused LM head alone, as on CUDA (`fused_head_as_on_cuda`): forward and backward of
     `trl.kernels.ChunkedLogProbFunction`, with the fields SFTTrainer asks for, at the A answer positions of every row
     (the supervised positions, the only ones a GPU scores, for LoRA and Bitune alike); its peak bytes on `device` and
@@ -168,8 +186,9 @@ def fused_head_bytes(config, batch_shape: tuple[int, int, int], device: torch.de
     targets = torch.zeros(positions, dtype=torch.long, device=device)
 
     def head() -> None:
-        log_probs = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE,
-                                                 None, 1.0, SFT_FIELDS)[0]
+        with trainer_autocast(device, autocast):
+            log_probs = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE,
+                                                     None, 1.0, SFT_FIELDS)[0]
         (-log_probs).sum().backward()
         hidden.grad = None
 
@@ -239,11 +258,11 @@ def base_model(config, device: torch.device, dtype: torch.dtype, initialise: boo
 
 
 def measure_method(config, method: str, checkpointing: bool, batch_shape: tuple[int, int, int],
-                   device: torch.device, dtype: torch.dtype, skip_arithmetic: bool) -> int:
+                   device: torch.device, dtype: torch.dtype, skip_arithmetic: bool, autocast: bool = False) -> int:
     """Peak bytes of one step of `method` on a fresh random model of `config` (built, measured, freed)."""
     model = prepared_model(base_model(config, device, dtype, initialise=not skip_arithmetic), method, checkpointing)
     batch = training_batch(*batch_shape, config.get_text_config().vocab_size, device)
-    step = step_function(model, method, batch)
+    step = step_function(model, method, batch, autocast)
     measured = (lambda: SkipMatmulArithmetic.around(step)) if skip_arithmetic else step
     with fused_head_as_on_cuda(device) if method in FUSED_HEAD_METHODS else nullcontext():
         measured()  # warm-up: lazily made buffers (rotary tables, LoRA's dropout identity) are not the step's own
@@ -252,7 +271,8 @@ def measure_method(config, method: str, checkpointing: bool, batch_shape: tuple[
 
 def measure_shape(shape: RealShape, layer_counts: list[int] | None, batch_shape: tuple[int, int, int],
                   device: torch.device, dtype: torch.dtype, skip_arithmetic: bool, memory_cap_gib: float,
-                  methods: tuple[str, ...] = METHODS, log: Callable[[str], None] = print) -> dict:
+                  methods: tuple[str, ...] = METHODS, log: Callable[[str], None] = print,
+                  autocast: bool = False) -> dict:
     """Every method with and without checkpointing on `shape`: peaks in bytes, in full or extrapolated per layer."""
     batch_size, prompt, answer = batch_shape
     counts = layer_counts or [shape.num_hidden_layers]
@@ -271,7 +291,7 @@ def measure_shape(shape: RealShape, layer_counts: list[int] | None, batch_shape:
             peaks = {}
             for layers in counts:
                 peaks[layers] = measure_method(shape.config(layers), method, checkpointing, batch_shape, device,
-                                               dtype, skip_arithmetic)
+                                               dtype, skip_arithmetic, autocast)
                 log(f"{shape.name} {key} at {layers} layers: {peaks[layers] / GIB:.3f} GiB")
             result["measured_peak_bytes"][key] = {str(layers): peak for layers, peak in peaks.items()}
             if len(counts) == 1:
@@ -282,7 +302,8 @@ def measure_shape(shape: RealShape, layer_counts: list[int] | None, batch_shape:
                 result.setdefault("per_layer_bytes", {})[key] = per_layer
                 result["peak_bytes"][key] = round(peak_low + (shape.num_hidden_layers - low) * per_layer)
     if any(method in methods for method in FUSED_HEAD_METHODS):
-        head_bytes, positions = fused_head_bytes(shape.config(counts[0]), batch_shape, device, dtype, skip_arithmetic)
+        head_bytes, positions = fused_head_bytes(shape.config(counts[0]), batch_shape, device, dtype, skip_arithmetic,
+                                                 autocast)
         result["fused_head"] = {"peak_bytes": head_bytes, "positions": positions}
         log(f"{shape.name} TRL's fused head alone at its {positions} positions: {head_bytes / GIB:.3f} GiB")
     return with_comparisons(result, shape, batch_shape, dtype)
@@ -330,6 +351,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--answer", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--autocast", action="store_true",
+                        help="run the forward, the loss and the metrics under bf16 autocast, as Trainer does with "
+                             "bf16=True (BituneSFTConfig's default); without it, the dtypes as loaded")
     parser.add_argument("--arithmetic", default="skip", choices=["skip", "run"],
                         help="skip the matrix products' arithmetic (same allocations, see above) or run it")
     parser.add_argument("--memory_cap_gib", type=float, default=3.0,
@@ -372,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {"batch_size": args.batch, "prompt_length": args.prompt, "answer_length": args.answer,
                      "dtype": args.dtype, "device": args.device, "arithmetic": args.arithmetic,
                      "lora_rank": lora_config().r, "methods": args.methods, "attn_implementation": "sdpa",
-                     "layers": args.layers},
+                     "layers": args.layers, "autocast": args.autocast},
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "peft": peft.__version__, "python": sys.version.split()[0], "machine": platform.machine()},
         "shapes": {},
@@ -380,7 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.remeasure:
         return remeasure(args, report, device, dtype, batch_shape)
     if args.resume:
-        report["shapes"] = earlier_shapes(json.loads(args.json.read_text()), report, [s.name for s in args.shapes])
+        report["shapes"] = earlier_shapes(with_autocast_setting(json.loads(args.json.read_text())), report,
+                                          [s.name for s in args.shapes])
     for shape in args.shapes:
         if shape.name in report["shapes"]:
             print(f"{shape.name}: kept from {args.json}")
@@ -388,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
         layer_counts = sorted(set(args.layers)) if shape.name in EXTRAPOLATED else None
         report["shapes"][shape.name] = measure_shape(shape, layer_counts, batch_shape, device, dtype,
                                                      args.arithmetic == "skip", args.memory_cap_gib,
-                                                     tuple(args.methods))
+                                                     tuple(args.methods), autocast=args.autocast)
         if args.json:  # after each shape, so that a long run keeps what it has measured
             args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(table(report))
@@ -399,7 +424,7 @@ def remeasure(args: argparse.Namespace, report: dict, device: torch.device, dtyp
               batch_shape: tuple[int, int, int]) -> dict:
     """`--remeasure`: the report in `--json`, its `--remeasure` methods measured again on each of its shapes (those of
     `--shapes` only, where given), the report written back after each shape."""
-    earlier = json.loads(args.json.read_text())
+    earlier = with_autocast_setting(json.loads(args.json.read_text()))
     if earlier.get("settings") != report["settings"]:
         raise SystemExit(f"--remeasure: the report was measured with other settings ({earlier.get('settings')}) "
                          f"than these ({report['settings']}); give the same options it was measured with.")
@@ -415,11 +440,18 @@ def remeasure(args: argparse.Namespace, report: dict, device: torch.device, dtyp
             continue
         layer_counts = result["measured_layers"] if result["extrapolated"] else None
         new = measure_shape(shapes[name], layer_counts, batch_shape, device, dtype, args.arithmetic == "skip",
-                            args.memory_cap_gib, methods)
+                            args.memory_cap_gib, methods, autocast=args.autocast)
         earlier["shapes"][name] = with_comparisons(merge_remeasured(result, {**new, "methods": methods}),
                                                    shapes[name], batch_shape, dtype)
         args.json.write_text(json.dumps(earlier, indent=2) + "\n")
     print(table(earlier))
+    return earlier
+
+
+def with_autocast_setting(earlier: dict) -> dict:
+    """An earlier report, its settings saying whether it ran under autocast (reports from before `--autocast` did
+    not)."""
+    earlier.get("settings", {}).setdefault("autocast", False)
     return earlier
 
 
