@@ -63,6 +63,21 @@ def test_a_layer_set_edited_in_place_is_checked_when_the_adapter_is_built(load_b
         get_peft_model(load_base("llama"), config)
 
 
+@pytest.mark.parametrize("name", ["modules_to_save", "trainable_token_indices"])
+def test_bitunes_own_auxiliary_module_options_are_refused_with_the_reason_adapter_config_gets(load_base, name):
+    """Issue 62 item 16: `BituneConfig(modules_to_save=...)` raised a bare `TypeError` (unexpected keyword)."""
+    value = ["lm_head"] if name == "modules_to_save" else [0, 1]
+    reason = r"not split into causal and bidirectional weight sets, and PEFT would leave them out of the checkpoint"
+    with pytest.raises(ValueError, match=rf"^`BituneConfig` cannot use `{name}`: such modules are {reason}"):
+        BituneConfig(adapter_config=tiny_lora(), **{name: value})
+    config = BituneConfig(adapter_config=tiny_lora())
+    setattr(config, name, value)  # PEFT reads it from the config with `getattr`
+    base = load_base("llama")
+    with pytest.raises(ValueError, match=rf"^`BituneConfig` cannot use `{name}`: such modules are {reason}"):
+        get_peft_model(base, config)
+    assert not any("lora_" in parameter_name for parameter_name, _ in base.named_parameters())
+
+
 def test_a_valid_assignment_is_used_as_assigned(load_base):
     config = BituneConfig(adapter_config=tiny_lora())
     config.mixed_layers = (1,)

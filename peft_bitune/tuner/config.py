@@ -29,6 +29,22 @@ _REFUSED_METHODS = {
 }
 
 
+# Options of other PEFT configs that train whole modules beside the adapter, and why Bitune refuses them.
+_AUXILIARY_MODULES = ("modules_to_save", "trainable_token_indices")
+_AUXILIARY_MODULES_REASON = (
+    "such modules are not split into causal and bidirectional weight sets, and PEFT would leave them out of the "
+    "checkpoint"
+)
+
+
+def _refuse_auxiliary_modules(where: str, values: dict[str, Any]) -> None:
+    """Refuse `modules_to_save` and `trainable_token_indices`, set in `values` (a config's, or its keyword
+    arguments)."""
+    for name in _AUXILIARY_MODULES:
+        if values.get(name) is not None:
+            raise ValueError(f"`{where}` cannot use `{name}`: {_AUXILIARY_MODULES_REASON}. Leave it unset.")
+
+
 # `init_lora_weights` values (or prefixes) with which LoRA changes the base layer's weights as it makes an adapter.
 _INITS_CHANGING_THE_BASE = ("pissa", "olora", "corda", "loftq")
 
@@ -139,6 +155,11 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
         default=None, metadata={"help": "Number of decoder layers of the base model (recorded).", "recorded": True}
     )
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> BituneConfig:
+        # Before the generated `__init__`, which would fail on these with a bare "unexpected keyword argument".
+        _refuse_auxiliary_modules("BituneConfig", kwargs)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         # Before anything reads a value: e.g. `train_mixing="no"` would be truthy.
         self._check_field_types()
@@ -156,6 +177,7 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
         made, and `config.mixed_layers = [-1]` must not reach the tuner unchecked.
         """
         self._check_field_types()
+        _refuse_auxiliary_modules("BituneConfig", vars(self))  # assigned later: PEFT reads them with `getattr`
         if self.task_type != TaskType.CAUSAL_LM:
             raise ValueError(
                 f"Bitune tunes decoder-only language models: `task_type` must be 'CAUSAL_LM', got '{self.task_type}'."
@@ -198,12 +220,8 @@ class BituneConfig(BituneConfigFileMixin, PeftConfig):
                 "weights on the layers, so it cannot give the two prompt passes different weights. Use a method that "
                 "adapts layers, e.g. LoRA, DoRA (`LoraConfig(use_dora=True)`) or IA3."
             )
-        auxiliary = ("modules_to_save", "trainable_token_indices")
-        if any(getattr(adapter_config, name, None) for name in auxiliary):
-            raise ValueError(
-                "`adapter_config` cannot use `modules_to_save` or `trainable_token_indices`: such modules are not "
-                "split into causal and bidirectional weight sets, and PEFT would leave them out of the checkpoint."
-            )
+        _refuse_auxiliary_modules("adapter_config", {name: getattr(adapter_config, name, None) or None
+                                                     for name in _AUXILIARY_MODULES})
         init = getattr(adapter_config, "init_lora_weights", None)
         if (isinstance(init, str) and init.startswith(_INITS_CHANGING_THE_BASE)) or getattr(
             adapter_config, "kasa_config", None
