@@ -11,7 +11,8 @@ Everything peft-bitune needs from other libraries beyond their public API, decid
 2. Private attributes and methods of transformers, PEFT, torch, accelerate, bitsandbytes and TRL that Bitune must read
    or set because no public interface does what it needs: routing PEFT's layers to one weight set, keeping caches in
    checkpointed layers, one more position in the generation cache's sliding-window layers, transformers' own
-   resolution of generation arguments, finding hooks around a module's forward, adding a member to PEFT's closed
+   resolution of generation arguments, finding hooks around a module's forward, torch checkpoint's record of
+   the autocast state, adding a member to PEFT's closed
    `PeftType` enum, keeping bitsandbytes' 4-bit layers out of their CPU inference layout, splitting `bitune-sft`'s
    command line as `trl sft` does. Each one has a test in
    tests/test_private_interfaces.py that fails with a clear message when an upgrade moves it.
@@ -23,6 +24,7 @@ hooks of `BituneModel` and its checkpoint mixin, listed in `OVERRIDDEN_TUNER_HOO
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -317,6 +319,27 @@ def forwards_are_hooked(modules: Sequence[nn.Module]) -> bool:
         if active(module._forward_hooks) or active(module._forward_pre_hooks):
             return True
     return False
+
+
+def autocast_state(device_type: str) -> Any:
+    """The autocast state now, of `device_type` and of the CPU alike, as `torch.utils.checkpoint` records it for a
+    recomputation (its private `_get_autocast_kwargs`); `autocast_restored` enters it again."""
+    from torch.utils import checkpoint
+
+    return device_type, checkpoint._get_autocast_kwargs(device_type)
+
+
+@contextmanager
+def autocast_restored(state: Any) -> Iterator[None]:
+    """Within the block, autocast as `autocast_state` found it (the device's and the CPU's), entered as torch's
+    checkpoint recomputation enters it."""
+    import torch
+
+    device_type, (device_kwargs, cpu_kwargs) = state
+    device_autocast = (torch.amp.autocast(device_type, **device_kwargs) if device_kwargs is not None
+                       else contextlib.nullcontext())
+    with device_autocast, torch.amp.autocast("cpu", **cpu_kwargs):
+        yield
 
 
 # ---------------------------------------------------------------------------------------------------- bitsandbytes

@@ -240,6 +240,22 @@ def test_accelerate_hooks_are_found():
     assert not compat.forwards_are_hooked([module])
 
 
+def test_torch_checkpoint_records_the_autocast_state_of_the_device_and_the_cpu():
+    """A prompt-pass layer run again in backward enters the autocast state its forward ran under, the CPU's too,
+    whatever the device type (CUDA's state comes with the CPU's)."""
+    for device_type in ("cpu", "cuda"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            state = compat.autocast_state(device_type)
+        assert not torch.is_autocast_enabled("cpu")
+        with compat.autocast_restored(state):
+            restored = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert restored, UPGRADE.format(
+            library="torch", does="records the CPU's autocast state with `checkpoint._get_autocast_kwargs`",
+            function="autocast_state",
+        )
+        assert not torch.is_autocast_enabled("cpu")
+
+
 def test_torch_marks_the_modules_fsdp_manages(tmp_path):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
