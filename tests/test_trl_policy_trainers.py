@@ -318,6 +318,22 @@ def test_refuses_a_bitune_ref_model(tmp_path, trl_model_dir):
                          processing_class=helpers.build_tokenizer())
 
 
+def test_trls_own_dpo_trainer_with_a_bitune_ref_model_is_refused_naming_bitune_dpo_trainer(tmp_path, trl_model_dir):
+    """Issue 62 item 15: TRL's fused LM head calls a `ref_model` without labels, and the refusal said only "pass
+    `labels` ... or a `prompt_mask`", which a DPO user cannot do. It names the trainer that works, in one line, at the
+    first reference forward, before the policy moves."""
+    policy = trained_adapter(trl_model_dir)
+    start = adapter_weights(policy, "default")
+    trainer = DPOTrainer(model=policy, ref_model=trained_adapter(trl_model_dir), args=dpo_args(tmp_path, max_steps=1),
+                         train_dataset=preference_rows(), processing_class=helpers.build_tokenizer())
+    message = r"TRL's own DPOTrainer.*`ref_model`.*BituneDPOTrainer.*`ref_model=None`"
+    with pytest.raises(ValueError, match=message) as error:
+        trainer.train()
+    assert "\n" not in str(error.value)
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(value, start[key]) for key, value in adapter_weights(policy, "default").items())
+
+
 def test_refuses_an_adapter_not_named_default(tmp_path, trl_model_dir):
     """TRL reads `peft_config["default"]` for its reference and would fail on a raw `KeyError: 'default'`."""
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trl_model_dir),

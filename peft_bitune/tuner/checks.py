@@ -272,7 +272,9 @@ def check_training_inputs(
         raise ValueError(
             "Bitune needs the instruction/answer boundary of every row: pass `labels` (instruction tokens are the "
             "unsupervised ones, labels == -100, before each supervised answer) or a `prompt_mask` (1 on instruction "
-            "tokens)."
+            "tokens). TRL's own DPOTrainer and KTOTrainer call their `ref_model` with neither, so a Bitune adapter "
+            "cannot be one: train with `trl_integration.BituneDPOTrainer` (or `BituneKTOTrainer`) and "
+            "`ref_model=None`, whose reference is an exact copy of the policy."
         )
     device = sequence.device
     valid = torch.ones(shape, dtype=torch.bool, device=device)
