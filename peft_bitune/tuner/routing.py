@@ -12,10 +12,11 @@ several times per step costs more than the routing itself on deep models.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -85,8 +86,17 @@ class LayerRouter:
 
     @contextmanager
     def routed_to(self, inner_name: str, within: nn.Module | None = None) -> Iterator[None]:
-        """Route every tuner layer (or only those of the decoder layer `within`) to `inner_name` within the block;
-        each layer's routing is restored on exit."""
+        """
+        Route every tuner layer (or only those of the decoder layer `within`) to `inner_name` within the block; each
+        layer's routing is restored on exit.
+
+        A whole pass routed casts its weights for autocast afresh (`torch.clear_autocast_cache`): autocast otherwise
+        reuses one low-precision copy of a weight for every pass of the forward, and the passes' gradients of that
+        weight would be summed in low precision before they reach it. Each pass's gradient reaches the weight on its
+        own, as when gradient checkpointing recomputes each layer under an autocast of its own.
+        """
+        if within is None:
+            torch.clear_autocast_cache()
         layers = self.index.tuner_layers if within is None else self.index.tuner_layers_within[id(within)]
         previous = [compat.routed_adapters(layer) for layer in layers]
         try:
@@ -136,7 +146,25 @@ class LayerRouter:
                     "Bitune sets the checkpoint `context_fn` itself; remove it from the checkpoint kwargs."
                 )
             return checkpoint_func(
-                function, *args, context_fn=lambda: (nullcontext(), self.routed_to(routed)), **kwargs
+                function, *args, context_fn=lambda: (nullcontext(), _RoutedEachTime(self, routed)), **kwargs
             )
 
         return checkpoint_in_pass
+
+
+class _RoutedEachTime:
+    """The routing to `inner_name` as a context that can be entered again: torch enters a checkpoint's recomputation
+    context once per recomputation, and a second backward through the same graph (`retain_graph=True`) recomputes
+    again."""
+
+    def __init__(self, router: LayerRouter, inner_name: str) -> None:
+        self.router, self.inner_name = router, inner_name
+        self._entered: list[AbstractContextManager] = []
+
+    def __enter__(self) -> None:
+        context = self.router.routed_to(self.inner_name)
+        context.__enter__()
+        self._entered.append(context)
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self._entered.pop().__exit__(*exc_info)
