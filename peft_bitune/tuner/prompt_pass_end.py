@@ -47,8 +47,14 @@ def ending_at_complete_record() -> Iterator[None]:
 
 def modules_left_early(decoder: nn.Module, decoder_layers: Sequence[nn.Module]) -> tuple[nn.Module, ...]:
     """The decoder's modules that a pass ended at the last layer's keys/values leaves early or skips: all but those
-    inside the earlier decoder layers, which finish before it ends."""
-    finished = {id(module) for layer in decoder_layers[:-1] for module in layer.modules()}
+    inside the input embeddings and the earlier decoder layers, which finish before it ends (a checkpointed model's
+    embeddings carry transformers' hook that makes their output require gradients)."""
+    finished_modules = [*decoder_layers[:-1]]
+    try:
+        finished_modules.append(decoder.get_input_embeddings())
+    except (AttributeError, NotImplementedError):  # a decoder whose embeddings transformers cannot name
+        pass
+    finished = {id(module) for finished_module in finished_modules for module in finished_module.modules()}
     return tuple(module for module in decoder.modules() if id(module) not in finished)
 
 
