@@ -136,6 +136,21 @@ def test_the_reference_copy_is_exact_for_every_inner_method(load_base, adapter_c
     assert not any(p.requires_grad for n, p in model.named_parameters() if f"{REFERENCE_ADAPTER}__" in n)
 
 
+def test_the_reference_copy_keeps_each_tensors_dtype_and_replaces_a_reference_of_other_settings(trl_model_dir):
+    """TRL casts a quantized model's trainable weights to bf16: the copy keeps them bf16 (a float32 copy of the same
+    values would compute other log-probabilities); a "ref" adapter already there with other settings is replaced."""
+    model = trained_adapter(trl_model_dir)
+    model.add_adapter(REFERENCE_ADAPTER, BituneConfig(adapter_config=LoraConfig(r=2, target_modules=["q_proj"])))
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.to(torch.bfloat16)
+    copy_policy_to_reference(model)
+    policy, reference = adapter_weights(model, "default"), adapter_weights(model, REFERENCE_ADAPTER)
+    assert reference.keys() == policy.keys() and any("mixer" in key for key in policy)
+    assert all(reference[key].dtype == torch.bfloat16 and torch.equal(reference[key], policy[key]) for key in policy)
+    assert model.peft_config[REFERENCE_ADAPTER].adapter_config.r == model.peft_config["default"].adapter_config.r
+
+
 def test_dpo_model_card_is_a_bitune_adapters(tmp_path, trl_model_dir):
     trainer = BituneDPOTrainer(model=trained_adapter(trl_model_dir), args=dpo_args(tmp_path / "dpo-run"),
                                train_dataset=preference_rows(), processing_class=helpers.build_tokenizer())

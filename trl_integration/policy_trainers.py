@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from datasets import Dataset
-from peft import PeftModel, get_peft_model_state_dict
-from peft.tuners.tuners_utils import BaseTunerLayer
+from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from trl import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer
 
-from peft_bitune.constants import WEIGHT_SETS, inner_adapter_name
 from peft_bitune.tuner.find_tuner import find_bitune_tuner
 from peft_bitune.utils.messages import format_rows
 
@@ -129,70 +126,32 @@ class BituneReferenceMixin(BituneModelCardMixin):
 
 def copy_policy_to_reference(model: PeftModel) -> None:
     """
-    Add (or overwrite) the "ref" adapter of a Bitune `PeftModel` as an exact copy of its active adapter: the same
-    config, and every tensor of both weight sets and the mixing scalars with its values and its dtype (TRL casts a
-    quantized model's trainable weights to bf16; a float32 copy would compute other log-probabilities). Checked
-    against the adapters' state dicts. Frozen: it never trains, even while TRL makes it the active adapter.
+    Make the "ref" adapter of a Bitune `PeftModel` an exact copy of its active adapter: the same config, and PEFT's
+    own state dict of the adapter (both weight sets and the mixing scalars) put in by PEFT, each tensor with its dtype
+    (TRL casts a quantized model's trainable weights to bf16; a float32 copy would compute other log-probabilities).
+    The adapter is made on the meta device and the copies assigned, as PEFT loads one; checked against the state dicts.
+    Frozen: it never trains, even while TRL makes it the active adapter.
     """
-    bitune = find_bitune_tuner(model)
     policy = model.active_adapter
-    if REFERENCE_ADAPTER in model.peft_config and _differing_settings(model, policy, REFERENCE_ADAPTER):
+    if REFERENCE_ADAPTER in model.peft_config:
         # TRL adds "ref" from the config of the adapter named "default", which is not the policy's when another
-        # adapter is active: its scaling, rank and mixing settings would stay default's whatever tensors it holds.
+        # adapter is active (its scaling, rank and mixing settings would stay default's): made again from the policy's.
         model.delete_adapter(REFERENCE_ADAPTER)
-    if REFERENCE_ADAPTER not in model.peft_config:
-        config = copy.deepcopy(model.peft_config[policy])
-        config.inference_mode = True
-        model.add_adapter(REFERENCE_ADAPTER, config)
-    with torch.no_grad():
-        for source, target in _adapter_tensor_pairs(bitune, policy, REFERENCE_ADAPTER):
-            target.data = source.detach().clone()
-    bitune.set_requires_grad(REFERENCE_ADAPTER, requires_grad=False)
+    config = copy.deepcopy(model.peft_config[policy])
+    config.inference_mode = True
+    model.add_adapter(REFERENCE_ADAPTER, config, low_cpu_mem_usage=True)
     policy_state = get_peft_model_state_dict(model, adapter_name=policy)
+    copies = {key: value.detach().clone() for key, value in policy_state.items()}
+    set_peft_model_state_dict(model, copies, adapter_name=REFERENCE_ADAPTER, low_cpu_mem_usage=True)
+    find_bitune_tuner(model).set_requires_grad(REFERENCE_ADAPTER, requires_grad=False)
     reference_state = get_peft_model_state_dict(model, adapter_name=REFERENCE_ADAPTER)
-    differing = sorted(key for key in policy_state if not _identical(policy_state[key], reference_state.get(key)))
-    settings = _differing_settings(model, policy, REFERENCE_ADAPTER)
-    if differing or policy_state.keys() != reference_state.keys() or settings:
+    differing = sorted(key for key, value in policy_state.items() if not _identical(value, reference_state.get(key)))
+    meta = sorted(name for name, parameter in model.named_parameters() if parameter.is_meta)
+    if differing or policy_state.keys() != reference_state.keys() or meta:
         raise RuntimeError(
             f"The reference adapter is not an exact copy of `{policy}` (first differing weights: {differing[:3]}; "
-            f"differing settings: {settings}); please report this with the PEFT method of the adapter."
+            f"left on the meta device: {meta[:3]}); please report this with the PEFT method of the adapter."
         )
-
-
-def _settings(model: PeftModel, adapter_name: str) -> dict[str, Any]:
-    """An adapter's config as a dict, without `inference_mode` (the reference is frozen, the policy trains)."""
-    settings = model.peft_config[adapter_name].to_dict()
-    settings.pop("inference_mode", None)
-    if isinstance(settings.get("adapter_config"), dict):
-        settings["adapter_config"] = {k: v for k, v in settings["adapter_config"].items() if k != "inference_mode"}
-    return settings
-
-
-def _differing_settings(model: PeftModel, first: str, second: str) -> list[str]:
-    """The config fields (`adapter_config` as one) on which two adapters differ."""
-    one, other = _settings(model, first), _settings(model, second)
-    return sorted(key for key in one.keys() | other.keys() if one.get(key) != other.get(key))
-
-
-def _adapter_tensor_pairs(bitune: Any, source: str, target: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Each tensor of adapter `source` with its counterpart in adapter `target`: on every tuner layer, under every
-    adapter attribute of the inner method (LoRA's A, B and DoRA magnitudes, IA3's vectors), for both weight sets;
-    then the mixing scalars."""
-    inner_names = [(inner_adapter_name(source, weight_set), inner_adapter_name(target, weight_set))
-                   for weight_set in WEIGHT_SETS]
-    for layer in bitune.model.modules():
-        if not isinstance(layer, BaseTunerLayer):
-            continue
-        for attribute in layer.adapter_layer_names:
-            entries = getattr(layer, attribute)
-            for source_name, target_name in inner_names:
-                if source_name in entries:
-                    source_entry, target_entry = entries[source_name], entries[target_name]
-                    if isinstance(source_entry, torch.Tensor):
-                        yield source_entry, target_entry
-                    else:
-                        yield from zip(source_entry.parameters(), target_entry.parameters(), strict=True)
-    yield from zip(bitune.bitune_mixers[source].parameters(), bitune.bitune_mixers[target].parameters(), strict=True)
 
 
 def _identical(first: torch.Tensor, second: torch.Tensor | None) -> bool:
