@@ -5,7 +5,6 @@ learning rate of each weight set follows the weight set a parameter belongs to, 
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -14,11 +13,13 @@ import pytest
 import torch
 from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, TrainerCallback
+from trl import SFTConfig
 
 import trl_helpers as helpers
 from peft_bitune import BituneConfig, BituneMixingWarmupCallback, create_bitune_optimizer
 from reference import make_bitune
 from test_forward import make_batch
+from trl_integration.checks import RECIPE_DEFAULTS, saved_recipe
 
 
 def tiny_lora() -> LoraConfig:
@@ -273,10 +274,11 @@ def test_resuming_a_run_without_the_ratios_with_them_switched_on_is_refused(plai
 
 
 def without_recorded_recipe(checkpoint: str, tmp_path) -> str:
-    """A copy of `checkpoint` as a version that did not record the recipe wrote it."""
+    """A copy of `checkpoint` as a trainer without the recipe options wrote it: its saved arguments an `SFTConfig`."""
     copy = tmp_path / "checkpoint-1"
     shutil.copytree(checkpoint, copy)
-    (copy / "bitune_recipe.json").unlink()
+    torch.save(SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[]),
+               copy / "training_args.bin")
     return str(copy)
 
 
@@ -304,19 +306,30 @@ def test_resuming_with_the_same_recipe_continues_the_run(lr_ratio_checkpoint, tr
     assert any(name.startswith("bitune_mixing") and rate == pytest.approx(1e-3) for name, rate in rates.items())
 
 
-def test_a_checkpoint_records_its_recipe(lr_ratio_checkpoint):
-    recorded = json.loads((Path(lr_ratio_checkpoint) / "bitune_recipe.json").read_text())
+def test_a_checkpoint_records_its_recipe_in_the_arguments_the_trainer_saves(lr_ratio_checkpoint):
+    saved = torch.load(Path(lr_ratio_checkpoint) / "training_args.bin", weights_only=False)  # the test's own file
+    recorded = {name: getattr(saved, name) for name in RECIPE_DEFAULTS}
     assert recorded == {"bidirectional_lr_ratio": 1.0, "mixing_lr_ratio": 0.1, "mixing_warmup_steps": 2}
+    assert saved_recipe(lr_ratio_checkpoint) == recorded  # read without running the file's pickled classes
 
 
-@pytest.mark.parametrize("hook", ["_save_optimizer_and_scheduler", "_load_from_checkpoint",
-                                  "_load_optimizer_and_scheduler"])
+@pytest.mark.parametrize("content", [b"", b"not a zip", b"PK\x03\x04 broken"], ids=["empty", "not-zip", "broken"])
+def test_saved_arguments_that_cannot_be_read_fall_back_to_the_optimizer_groups(lr_ratio_checkpoint, trl_model_dir,
+                                                                              tmp_path, content):
+    damaged = without_recorded_recipe(lr_ratio_checkpoint, tmp_path)
+    (Path(damaged) / "training_args.bin").write_bytes(content)
+    trainer = helpers.make_trainer(trl_model_dir, tmp_path / "resumed", max_steps=2, mixing_warmup_steps=2)
+    with pytest.raises(ValueError, match=r"`mixing_lr_ratio=1.0`.*trained with `mixing_lr_ratio=0.1`"):
+        trainer.train(resume_from_checkpoint=damaged)
+
+
+@pytest.mark.parametrize("hook", ["_load_from_checkpoint", "_load_optimizer_and_scheduler"])
 def test_the_trainer_still_has_the_hooks_that_keep_the_recipe(hook):
     from transformers import Trainer
 
     assert hasattr(Trainer, hook), (
-        f"transformers' Trainer no longer has `{hook}`, which BituneSFTTrainer overrides to record a checkpoint's "
-        "recipe and check it on resume: find what replaced it and update the override."
+        f"transformers' Trainer no longer has `{hook}`, which BituneSFTTrainer overrides to check a checkpoint's "
+        "recipe on resume: find what replaced it and update the override."
     )
 
 

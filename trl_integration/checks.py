@@ -11,9 +11,11 @@ trained with is refused too. Each refusal says what works instead.
 from __future__ import annotations
 
 import dataclasses
-import json
+import io
 import os
+import pickle
 import warnings
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,7 @@ import torch
 from datasets import Dataset, IterableDataset
 from peft import PeftConfig, PeftModel
 from transformers import TrainingArguments
-from transformers.trainer import OPTIMIZER_NAME
+from transformers.trainer import OPTIMIZER_NAME, TRAINING_ARGS_NAME
 from trl.data_utils import is_conversational, is_conversational_from_value
 
 from peft_bitune import BituneConfig, BituneModel, compat
@@ -267,16 +269,39 @@ def check_prepared_labels(dataset: Any, name: str) -> None:
 
 
 # ---------------------------------------------------------------------- resuming keeps the recipe
-# The training options beyond the paper, at their defaults (the paper's recipe). A checkpoint records their values in
-# `RECIPE_FILE`, next to the optimizer and scheduler whose state they shape.
+# The training options beyond the paper, at their defaults (the paper's recipe). A checkpoint holds their values in
+# the arguments the Trainer saves with it (`training_args.bin`), next to the optimizer and scheduler they shape.
 RECIPE_DEFAULTS = {"bidirectional_lr_ratio": 1.0, "mixing_lr_ratio": 1.0, "mixing_warmup_steps": 0}
-RECIPE_FILE = "bitune_recipe.json"
 
 
-def write_recipe(checkpoint: str, args: BituneSFTConfig) -> None:
-    """Record in a checkpoint the recipe options it is trained with, for `check_resumed_recipe`."""
-    with open(os.path.join(checkpoint, RECIPE_FILE), "w", encoding="utf-8") as file:
-        json.dump({name: getattr(args, name) for name in RECIPE_DEFAULTS}, file, indent=2)
+class _Fields:
+    """Whatever object the saved arguments hold, as its plain fields: no class of the file is looked up, so reading
+    it runs no code of the checkpoint's (the Trainer pickles its arguments whole)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class _FieldsUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> type:
+        return _Fields
+
+    def persistent_load(self, pid: Any) -> None:  # a tensor: none of the recipe options is one
+        return None
+
+
+def saved_recipe(checkpoint: str) -> dict[str, Any] | None:
+    """The recipe options among the arguments the Trainer saved in `checkpoint`; `None` if it saved none (another
+    trainer's arguments, or no file)."""
+    try:
+        with zipfile.ZipFile(os.path.join(checkpoint, TRAINING_ARGS_NAME)) as archive:
+            pickled = next(name for name in archive.namelist() if name.endswith("/data.pkl"))
+            fields = vars(_FieldsUnpickler(io.BytesIO(archive.read(pickled))).load())
+    except (OSError, zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, TypeError, EOFError):
+        return None
+    if not all(name in fields for name in RECIPE_DEFAULTS):
+        return None
+    return {name: fields[name] for name in RECIPE_DEFAULTS}
 
 
 def check_resumed_recipe(checkpoint: str | None, args: BituneSFTConfig, optimizer_given: bool = False) -> None:
@@ -284,9 +309,10 @@ def check_resumed_recipe(checkpoint: str | None, args: BituneSFTConfig, optimize
     Refuse to resume from `checkpoint` with recipe options other than those it was trained with. The Trainer restores
     the saved optimizer and scheduler, which keep the checkpoint's learning rate of each part (a new ratio would be
     ignored, or a switched one fail in torch on the number of parameter groups), and the warm-up is a schedule over
-    the whole run: a resumed run continues the one it was saved from, as it was. A checkpoint written before the
-    options were recorded shows its learning-rate multiples in its optimizer's parameter groups (its warm-up, nowhere),
-    unless that optimizer was the user's own (`optimizer_given`), whose rates the options do not set.
+    the whole run: a resumed run continues the one it was saved from, as it was. A checkpoint whose saved arguments
+    lack the options (another trainer's) shows its learning-rate multiples in its optimizer's parameter groups (its
+    warm-up, nowhere), unless that optimizer was the user's own (`optimizer_given`), whose rates the options do not
+    set.
     """
     if checkpoint is None:
         return
@@ -308,11 +334,11 @@ def check_resumed_recipe(checkpoint: str | None, args: BituneSFTConfig, optimize
 
 
 def _recorded_recipe(checkpoint: str, read_optimizer: bool) -> dict[str, Any] | None:
-    """The recipe options a checkpoint records, or what its optimizer shows of them; `None` if neither is there."""
-    path = os.path.join(checkpoint, RECIPE_FILE)
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as file:
-            return {name: value for name, value in json.load(file).items() if name in RECIPE_DEFAULTS}
+    """The recipe options a checkpoint's saved arguments hold, or what its optimizer shows of them; `None` if
+    neither is there."""
+    recorded = saved_recipe(checkpoint)
+    if recorded is not None:
+        return recorded
     path = os.path.join(checkpoint, OPTIMIZER_NAME)
     if not read_optimizer or not os.path.isfile(path):
         return None

@@ -51,7 +51,6 @@ from .checks import (
     check_rows_kept,
     check_training_setup,
     named_eval_datasets,
-    write_recipe,
 )
 from .config import BituneSFTConfig
 from .model_cards import BituneModelCardMixin
@@ -225,14 +224,9 @@ class BituneSFTTrainer(BituneModelCardMixin, SFTTrainer):
         return optimizer_cls, {**optimizer_kwargs, "params": groups}
 
     # ------------------------------------------------------------------ the recipe of a resumed run
-    # A checkpoint records its recipe options next to the optimizer and scheduler, and a run resumed from it must use
-    # the same (`check_resumed_recipe`): checked before the weights are loaded, and before the optimizer for DeepSpeed,
-    # which loads the weights on its own.
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save:
-            write_recipe(output_dir, self.args)
-
+    # A checkpoint holds its recipe options in the arguments the Trainer saves with it, and a run resumed from it must
+    # use the same (`check_resumed_recipe`): checked before the weights are loaded, and before the optimizer for
+    # DeepSpeed, which loads the weights on its own.
     def _optimizer_is_given(self) -> bool:
         return self.optimizer is not None and self._optimizer_rates is None
 
