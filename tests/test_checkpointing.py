@@ -1,0 +1,108 @@
+"""A checkpointed Bitune step against the same step without checkpointing: the same random draws, the same autocast
+gradients, no gradient where the plain step gives none, and a second backward through the same graph.
+
+The plain step records the prompt passes' keys/values; the checkpointed one runs their layers without autograd and
+recomputes them layer by layer (`tuner/layer_inputs.py`). Both must give the same loss and gradients, bit for bit up
+to float32 summation order (1e-6 on gradients of order 0.1-1), as torch's own checkpointing of a LoRA step does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from peft_bitune import compat
+from reference import make_bitune, padded_batch
+from tiny_models import VOCAB, model_configs
+
+
+def tiny_llama(layers: int = 2, multi_head: bool = False):
+    """The tiny random Llama with `layers` decoder layers; `multi_head`: as many key/value heads as query heads."""
+    config = model_configs()["llama"]
+    config.num_hidden_layers = layers
+    if multi_head:
+        config.num_key_value_heads = config.num_attention_heads
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def bitune_step(checkpointing: bool, base, adapter_config=None, seed: int = 1, autocast: bool = False,
+                **config_kwargs):
+    """One training step from the random seed `seed`: (loss, {name: grad or None} of the trainable parameters, the
+    next number the CPU generator draws after the step)."""
+    model = make_bitune(base(), adapter_config, **config_kwargs)
+    if checkpointing:
+        compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
+    model.train()
+    torch.manual_seed(seed)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(**padded_batch("right", VOCAB)[1]).loss
+    loss.backward()
+    grads = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()
+             if p.requires_grad}
+    return loss.detach(), grads, torch.rand(1)
+
+
+def assert_same_step(got, expected) -> None:
+    (loss, grads, _), (expected_loss, expected_grads, _) = got, expected
+    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=0)
+    assert grads.keys() == expected_grads.keys()
+    assert [name for name, grad in grads.items() if grad is None] == [
+        name for name, grad in expected_grads.items() if grad is None
+    ]
+    for name, grad in grads.items():
+        if grad is not None:
+            torch.testing.assert_close(grad, expected_grads[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("multi_head", [False, True])
+def test_a_checkpointed_step_under_cpu_autocast_gives_the_plain_steps_gradients(multi_head):
+    """Under `torch.autocast("cpu", dtype=torch.bfloat16)` (what the trainer's `bf16=True` runs the forward under):
+    the gradients of the causal weights, which both the causal prompt pass and the answer pass use, reach the float32
+    weights pass by pass in both steps (they differed by 2.4e-4 when the plain step summed them in bf16)."""
+    base = lambda: tiny_llama(2, multi_head)  # noqa: E731
+    assert_same_step(bitune_step(True, base, autocast=True), bitune_step(False, base, autocast=True))
+
+
+def test_parameters_outside_the_graph_get_no_gradient_under_checkpointing():
+    """Mixing only layer 1 of 3, with a causal second pass and fixed mixing: layer 1's bidirectional query, output and
+    MLP weights feed only layer 2's bidirectional keys/values, which nothing reads. The plain step gives them no
+    gradient, and so must the checkpointed one (zeros would let weight decay move them in one run only)."""
+    base = lambda: tiny_llama(3)  # noqa: E731
+    settings = dict(mixed_layers=[1], second_pass_attention="causal", train_mixing=False)
+    plain = bitune_step(False, base, **settings)
+    untouched = {name for name, grad in plain[1].items() if grad is None}
+    # Layer 1's bidirectional weights but its key/value projections, and all of layer 2's.
+    expected = {name for name in plain[1] if "__bidirectional" in name and (
+        "layers.2." in name or ("layers.1." in name and not any(kv in name for kv in (".k_proj.", ".v_proj."))))}
+    assert untouched == expected and len(expected) == 2 * (5 + 7)
+    assert_same_step(bitune_step(True, base, **settings), plain)
+
+
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+def test_a_second_backward_under_checkpointing_equals_the_plain_steps(how):
+    """`loss.backward(retain_graph=True)` twice (or `torch.autograd.grad` with `retain_graph=True`, then again):
+    every checkpointed layer is recomputed a second time, routed to its pass's weights again."""
+    results = []
+    for checkpointing in (False, True):
+        model = make_bitune(tiny_llama(2))
+        if checkpointing:
+            compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
+        model.train()
+        loss = model(**padded_batch("right", VOCAB)[1]).loss
+        params = [p for p in model.parameters() if p.requires_grad]
+        if how == "backward":
+            loss.backward(retain_graph=True)
+            first = [None if p.grad is None else p.grad.clone() for p in params]
+            loss.backward()
+            second = [None if g is None else p.grad - g for p, g in zip(params, first)]
+        else:
+            first = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+            second = torch.autograd.grad(loss, params, allow_unused=True)
+        results.append((first, second))
+    (plain_first, plain_second), (first, second) = results
+    for got, want in zip([*first, *second], [*plain_first, *plain_second]):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
