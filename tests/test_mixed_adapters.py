@@ -1,11 +1,13 @@
-"""Mixed-adapter batches (PEFT's `adapter_names`): every row gets exactly what its own adapter gives it, in the
-forward (logits and loss), `prefill` and `generate`, multi-turn included, with two and three adapters."""
+"""Mixed-adapter batches (PEFT's `adapter_names`), run as one batch: every row gets exactly what its own adapter gives
+it in the same batch, and what it gives the row's group alone to float32 rounding of the batch's shape, in the forward
+(logits and loss), `prefill` and `generate`, multi-turn included, with two and three adapters."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig
+from peft import IA3Config, LoraConfig
+from transformers.generation.streamers import BaseStreamer
 
 from peft_bitune import BituneConfig, compat
 from reference import left_padded, make_bitune, padded_batch, reference_greedy, reference_prefill, reference_row
@@ -58,6 +60,17 @@ def select(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.T
     return {key: value[rows] for key, value in batch.items()}
 
 
+# A mixed batch's rows against the same rows run with their adapter in a batch of their own: equal to float32
+# rounding, since the same rows in batches of other shapes (the rows' group alone; the per-row LoRA products of each
+# adapter's rows) round differently by a few ulps. Measured up to about 1e-6 on these models' logits and keys, the same
+# as one adapter's batch of four rows against two of them; the adapters differ by more than 1e-3 (asserted below).
+ROUNDING = dict(atol=1e-5, rtol=0)
+
+
+def assert_as_alone(mixed: torch.Tensor, own: torch.Tensor) -> None:
+    torch.testing.assert_close(mixed, own, **ROUNDING)
+
+
 def second_pass_causal(name: str) -> bool:
     return ADAPTERS[name].get("second_pass_attention") == "causal"
 
@@ -78,7 +91,7 @@ def test_forward_rows_equal_each_adapter_alone_and_the_per_row_reference(load_ba
         loss_sum, supervised = 0.0, 0
         for name, group in rows_by_adapter(names).items():
             own = alone(model, name, lambda group=group: model(**select(batch, group)))
-            assert torch.equal(out.logits[group], own.logits)
+            assert_as_alone(out.logits[group], own.logits)
             for i in group:
                 logits, row_loss = alone(model, name, lambda i=i: reference_row(
                     model, rows[i], prompt_lengths[i], second_pass_causal(name)))
@@ -105,7 +118,7 @@ def test_mixed_loss_with_a_prompt_mask_and_one_adapter_named_for_every_row_is_th
         plain = alone(model, "other", lambda: model(**batch, prompt_mask=prompt_mask))
         named = model(**batch, prompt_mask=prompt_mask, adapter_names=["other"] * 4)
     assert torch.equal(named.logits, plain.logits)
-    torch.testing.assert_close(named.loss, plain.loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(named.loss, plain.loss, **ROUNDING)
 
 
 @pytest.mark.parametrize("count", [2, 3])
@@ -118,7 +131,7 @@ def test_multi_turn_forward_rows_equal_each_adapter_alone_and_the_alternating_re
         loss_sum = 0.0
         for name, group in rows_by_adapter(names).items():
             own = alone(model, name, lambda group=group: model(**select(batch, group)))
-            assert torch.equal(out.logits[group], own.logits)
+            assert_as_alone(out.logits[group], own.logits)
             if not second_pass_causal(name):  # the alternating reference reads each instruction bidirectionally
                 for i in group:
                     turns, trailing = ROWS[i]
@@ -166,7 +179,7 @@ def test_prefill_holds_each_rows_mix_by_its_adapter_and_decoding_from_it_continu
                 group_cache = model.base_model.prefill(**select(batch, group))
                 return model(input_ids=rest[group], attention_mask=mask[group], cache=group_cache,
                              position_ids=(mask[group].cumsum(1) - 1)[:, -3:]).logits
-            assert torch.equal(logits[group], alone(model, name, own))
+            assert_as_alone(logits[group], alone(model, name, own))
 
 
 @pytest.mark.parametrize("count", [2, 3])
@@ -185,7 +198,7 @@ def test_greedy_rows_equal_each_adapter_alone_and_the_reference(load_base, arch,
         assert torch.equal(out[group], own.sequences)
         assert len(mixed.scores) == len(own.scores) == GREEDY["max_new_tokens"]
         for step, own_step in zip(mixed.scores, own.scores):
-            assert torch.equal(step[group], own_step)
+            assert_as_alone(step[group], own_step)
         for i in group:
             if not second_pass_causal(name):  # the greedy reference reads the prompt bidirectionally
                 expected = alone(model, name, lambda i=i: reference_greedy(model, rows[i], GREEDY["max_new_tokens"]))
@@ -209,7 +222,7 @@ def test_beam_search_and_several_return_sequences_rows_equal_each_adapter_alone(
         returned = [2 * i + j for i in group for j in range(2)]
         assert torch.equal(out.sequences[returned], own.sequences)
         for layer, own_layer in zip(compat.output_cache(out).layers, compat.output_cache(own).layers):
-            assert torch.equal(layer.keys[returned], own_layer.keys)
+            torch.testing.assert_close(layer.keys[returned], own_layer.keys, **ROUNDING)
 
 
 @pytest.mark.parametrize("count", [2, 3])
@@ -243,14 +256,15 @@ def test_a_mixed_chat_goes_on_turn_after_turn_as_each_adapter_alone(load_base, c
         assert torch.equal(mixed[1][group], own[1])
         assert mixed[2].get_seq_length() == own[2].get_seq_length()
         for layer, own_layer in zip(mixed[2].layers, own[2].layers):
-            assert torch.equal(layer.keys[group], own_layer.keys)
-            assert torch.equal(layer.values[group], own_layer.values)
+            torch.testing.assert_close(layer.keys[group], own_layer.keys, **ROUNDING)
+            torch.testing.assert_close(layer.values[group], own_layer.values, **ROUNDING)
         assert torch.equal(mixed[2].conversation_ids[group], own[2].conversation_ids)
 
 
-def test_groups_that_stop_early_are_padded_and_fed_their_padding_as_generate_feeds_finished_rows(load_base):
+def test_rows_that_stop_early_are_padded_and_fed_their_padding_as_generate_feeds_finished_rows(load_base):
     """One adapter's row meets its EOS token early: its sequence is padded with the pad token to the batch's width,
-    and the cache goes on as decoding the row alone and then feeding it the padding by forward calls would."""
+    and the cache goes on as decoding the row alone and then feeding it the padding by forward calls would. Per-step
+    outputs are the batch's (one loop): each row's scores, up to its last step, as its adapter gives them alone."""
     model = with_adapters(load_base("llama"), 2)
     names = ["other", "default", "default"]
     batch = left_padded(prompts(11, [5, 5, 5]))  # equal lengths: forward calls then take the same positions
@@ -261,8 +275,14 @@ def test_groups_that_stop_early_are_padded_and_fed_their_padding_as_generate_fee
     out = model.generate(**batch, **settings, adapter_names=names)
     assert out.sequences.shape[1] == 10
     assert out.sequences[0, 5:].tolist() == free[0, : stop + 1].tolist() + [1] * (4 - stop)
-    with pytest.raises(ValueError, match="`scores` cannot be returned .* stopped after different numbers of steps"):
-        model.generate(**batch, **settings, output_scores=True, adapter_names=names)
+    scored = model.generate(**batch, **settings, output_scores=True, adapter_names=names)
+    assert torch.equal(scored.sequences, out.sequences) and len(scored.scores) == 5
+    for name, group in rows_by_adapter(names).items():
+        own = alone(model, name, lambda group=group: model.generate(**select(batch, group), **settings,
+                                                                   output_scores=True))
+        assert len(own.scores) == (stop + 1 if name == "other" else 5)  # alone, the `other` row stops early
+        for step, own_step in zip(scored.scores, own.scores):
+            torch.testing.assert_close(step[group], own_step, **ROUNDING)
 
     def own():
         first = model.generate(**select(batch, [0]), **settings)
@@ -276,7 +296,7 @@ def test_groups_that_stop_early_are_padded_and_fed_their_padding_as_generate_fee
     cache, own_cache = compat.output_cache(out), alone(model, "other", own)
     assert cache.get_seq_length() == own_cache.get_seq_length() == 9
     for layer, own_layer in zip(cache.layers, own_cache.layers):
-        torch.testing.assert_close(layer.keys[:1], own_layer.keys, atol=1e-6, rtol=0)
+        torch.testing.assert_close(layer.keys[:1], own_layer.keys, **ROUNDING)
     # The next turn, with the padding dropped from the attention, as for any batch whose rows ended early.
     new = torch.randint(3, VOCAB, (3, 3), generator=torch.Generator().manual_seed(4))
     mask = torch.cat([(out.sequences != 1).long(), torch.ones_like(new)], dim=1)
@@ -304,7 +324,7 @@ def test_rows_given_as_embeddings_are_split_with_their_rows(load_base):
             own = alone(model, name, lambda group=group: model(
                 inputs_embeds=embeds[group], attention_mask=batch["attention_mask"][group],
                 labels=batch["labels"][group]).logits)
-        assert torch.equal(logits[group], own)
+        torch.testing.assert_close(logits[group], own, **ROUNDING)
         own_out = alone(model, name, lambda group=group: model.generate(
             **select(prompt_batch, group), inputs_embeds=prompt_embeds[group], **GREEDY))
         assert torch.equal(out[group], own_out)
@@ -312,8 +332,8 @@ def test_rows_given_as_embeddings_are_split_with_their_rows(load_base):
 
 # ------------------------------------------------------------------------------------------------------ __base__
 def test_base_rows_are_the_base_model_reading_each_row_once_causally(load_base):
-    """`"__base__"` rows, as PEFT names rows without an adapter: the base model's logits, loss terms, answers and
-    chat turns, beside rows of two adapters."""
+    """`"__base__"` rows, as PEFT names rows without an adapter: the base model's logits, loss terms and answers,
+    beside rows of two adapters."""
     model = with_adapters(load_base("qwen2"), 2)
     names = ["__base__", "other", "default", "__base__"]
     rows, batch, _ = padded_batch("left", VOCAB)
@@ -335,21 +355,13 @@ def test_base_rows_are_the_base_model_reading_each_row_once_causally(load_base):
     torch.testing.assert_close(out.loss, loss_sum / supervised, atol=1e-5, rtol=0)
 
     prompt_batch = left_padded(prompts(3, [9, 1, 4, 12]))
-    second = left_padded(prompts(6, [3, 1, 5, 2]))
     settings = dict(GREEDY, output_scores=True, return_dict_in_generate=True)
     first = model.generate(**prompt_batch, **settings, adapter_names=names)
-    cache = compat.output_cache(first)
-    turn = {"input_ids": torch.cat([first.sequences, second["input_ids"]], dim=1),
-            "attention_mask": torch.cat([cache.conversation_mask.long(), second["attention_mask"]], dim=1)}
-    then = model.generate(**turn, cache=cache, **settings, adapter_names=names)
     base_rows = [0, 3]
     with model.disable_adapter():
         own = model.generate(**select(prompt_batch, base_rows), **settings)
-        own_turn = {key: value[base_rows] for key, value in turn.items()}
-        own_then = model.generate(**own_turn, cache=compat.output_cache(own), **settings)
     assert torch.equal(first.sequences[base_rows], own.sequences)
-    assert torch.equal(then.sequences[base_rows], own_then.sequences)
-    for step, own_step in zip(first.scores + then.scores, own.scores + own_then.scores):
+    for step, own_step in zip(first.scores, own.scores):
         torch.testing.assert_close(step[base_rows], own_step, atol=1e-5, rtol=0)
     for name in ("other", "default"):  # and the adapters' rows as they give them alone
         group = [names.index(name)]
@@ -382,12 +394,6 @@ def test_bad_adapter_names_are_refused_in_one_line_before_any_compute(load_base)
         with pytest.raises((ValueError, TypeError), match=message):
             model.base_model.prefill(**prompt_batch, **arguments)
     names = ["default", "other", "other", "default"]
-    for arguments, message in [
-        (dict(streamer=object()), "`streamer` cannot follow"),
-        (dict(prefix_allowed_tokens_fn=lambda batch_id, ids: [3]), "`prefix_allowed_tokens_fn` is not supported"),
-    ]:
-        with pytest.raises(ValueError, match=message):
-            model.generate(**prompt_batch, **GREEDY, **arguments, adapter_names=names)
     with pytest.raises(ValueError, match="`fused_lm_head=True`"):
         model(**batch, adapter_names=names, fused_lm_head=True)
     model.train()
@@ -431,3 +437,184 @@ def test_peft_hands_adapter_names_to_the_tuners_forward_hook(load_base, monkeypa
         "PEFT no longer hands `adapter_names` to the tuner's `_enable_peft_forward_hooks` in `PeftModel.forward` and "
         "`generate`: find where it goes now and take it there (BituneModel._enable_peft_forward_hooks)."
     )
+
+
+# --------------------------------------------------------------------------------------- one batch, one loop
+class RecordingStreamer(BaseStreamer):
+    """A streamer of any batch size that keeps what `generate` hands it, and checks at every step that the call
+    switches no adapter: the tuner's active adapter and every layer's routing stay as they were."""
+
+    def __init__(self, model) -> None:
+        self.model, self.values = model, []
+        self.routing = [list(layer.active_adapters) for layer in model.base_model._router.index.tuner_layers]
+
+    def put(self, value: torch.Tensor) -> None:
+        assert self.model.base_model.active_adapter == "default"
+        assert [list(layer.active_adapters) for layer in self.model.base_model._router.index.tuner_layers] == \
+            self.routing
+        self.values.append(value)
+
+    def end(self) -> None:
+        pass
+
+
+def test_a_streamer_and_prefix_allowed_tokens_fn_follow_the_whole_mixed_batch(load_base):
+    """Refused while the batch was split by adapter; now one `generate` loop: the streamer sees every row at every
+    step, and `prefix_allowed_tokens_fn`'s `batch_id` numbers the batch's rows."""
+    model = with_adapters(load_base("llama"), 3)
+    names = ROUTES[3]
+    batch = left_padded(prompts(3, [9, 1, 4, 12]))
+    streamer = RecordingStreamer(model)
+    out = model.generate(**batch, **GREEDY, streamer=streamer, adapter_names=names)
+    assert torch.equal(streamer.values[0], batch["input_ids"])
+    assert torch.equal(torch.stack(streamer.values[1:], dim=1), out[:, batch["input_ids"].shape[1]:])
+    assert torch.equal(out, model.generate(**batch, **GREEDY, adapter_names=names))
+
+    def allowed(batch_id, ids):  # row i may only say i + 3 or i + 10: rows numbered within a group would show
+        return [batch_id + 3, batch_id + 10]
+
+    constrained = model.generate(**batch, **GREEDY, prefix_allowed_tokens_fn=allowed, adapter_names=names)
+    width = batch["input_ids"].shape[1]
+    for name, group in rows_by_adapter(names).items():
+        def own_allowed(batch_id, ids, group=group):
+            return allowed(group[batch_id], ids)
+        own = alone(model, name, lambda group=group, own_allowed=own_allowed: model.generate(
+            **select(batch, group), **GREEDY, prefix_allowed_tokens_fn=own_allowed))
+        assert torch.equal(constrained[group], own)
+    for i in range(4):
+        assert set(constrained[i, width:].tolist()) <= {i + 3, i + 10}
+
+
+def test_sampling_draws_as_one_batch(load_base):
+    """A mixed batch samples in one loop: with the same seed, each row draws what it draws when the whole batch is
+    sampled with its adapter alone (the same random numbers for the same rows), and several return sequences per
+    prompt take a name per prompt or per returned sequence, as LoRA takes them."""
+    model = with_adapters(load_base("llama"), 2)
+    names = ["other", "default", "default"]
+    batch = left_padded(prompts(4, [5, 8, 3]))
+    settings = dict(max_new_tokens=6, do_sample=True, top_k=0, eos_token_id=None, pad_token_id=0,
+                    num_return_sequences=2)
+    torch.manual_seed(11)
+    mixed = model.generate(**batch, **settings, adapter_names=names)
+    for name, group in rows_by_adapter(names).items():
+        torch.manual_seed(11)
+        same = alone(model, name, lambda: model.generate(**batch, **settings))
+        returned = [2 * i + j for i in group for j in range(2)]
+        assert torch.equal(mixed[returned], same[returned])
+    torch.manual_seed(11)
+    per_output_row = model.generate(**batch, **settings, adapter_names=[n for n in names for _ in range(2)])
+    assert torch.equal(per_output_row, mixed)
+    with pytest.raises(ValueError, match="different adapters for the return sequences of one prompt"):
+        model.generate(**batch, **settings, adapter_names=["other", "default"] * 3)
+    with pytest.raises(ValueError, match=r"has 4 names for a batch of 3 rows.*\(or 6, one per returned sequence\)"):
+        model.generate(**batch, **settings, adapter_names=["other"] * 4)
+
+
+def test_beam_indices_number_the_batchs_rows(load_base):
+    """Issue 62, item 6: with the batch split by adapter, `beam_indices` numbered each group's beams from 0, so
+    `compute_transition_scores` read other rows' scores. One loop numbers the batch's beams."""
+    model = with_adapters(load_base("qwen2"), 2)
+    names = ["other", "default", "other"]
+    batch = left_padded(prompts(12, [4, 7, 5]))
+    settings = dict(max_new_tokens=4, num_beams=3, num_return_sequences=2, do_sample=False, eos_token_id=None,
+                    pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    out = model.generate(**batch, **settings, adapter_names=names)
+    steps = out.beam_indices[:, :4]
+    rows = torch.arange(6)[:, None] // 2
+    assert ((steps // 3) == rows).all()  # every returned sequence's beams are its own prompt's
+    transition = model.compute_transition_scores(out.sequences, out.scores, out.beam_indices)
+    for name, group in rows_by_adapter(names).items():
+        own = alone(model, name, lambda group=group: model.generate(**select(batch, group), **settings))
+        own_transition = model.compute_transition_scores(own.sequences, own.scores, own.beam_indices)
+        returned = [2 * i + j for i in group for j in range(2)]
+        torch.testing.assert_close(transition[returned], own_transition, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.sequences_scores[returned], own.sequences_scores, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------ __base__ and caches
+def test_base_rows_cannot_continue_a_bitune_cache_as_inside_disable_adapter(load_base):
+    """Issue 62, item 9: a `"__base__"` row runs the base model, which inside `disable_adapter()` cannot continue a
+    Bitune cache (mixed keys/values); a mixed batch refused it for no row. Both are refused alike, before any work."""
+    model = with_adapters(load_base("llama"), 2)
+    names = ["other", "__base__"]
+    batch = left_padded(prompts(2, [4, 6]))
+    first = model.generate(**batch, **GREEDY, return_dict_in_generate=True, adapter_names=["other", "default"])
+    cache = compat.output_cache(first)
+    new = left_padded(prompts(3, [2, 3]))
+    turn = {"input_ids": torch.cat([first.sequences, new["input_ids"]], dim=1),
+            "attention_mask": torch.cat([cache.conversation_mask.long(), new["attention_mask"]], dim=1)}
+    length = cache.get_seq_length()
+    message = "'__base__' rows run the base model, which cannot continue a Bitune cache"
+    with pytest.raises(ValueError, match="cannot be used with the adapters disabled"), model.disable_adapter():
+        model.generate(**turn, cache=cache, **GREEDY)
+    with pytest.raises(ValueError, match=message):
+        model.generate(**turn, cache=cache, **GREEDY, adapter_names=names)
+    with pytest.raises(ValueError, match=message):
+        model.base_model.prefill(**turn, cache=cache, adapter_names=names)
+    with pytest.raises(ValueError, match=message), torch.no_grad():
+        model(input_ids=turn["input_ids"][:, -1:], attention_mask=turn["attention_mask"], cache=cache,
+              adapter_names=names)
+    assert cache.get_seq_length() == length  # nothing was read
+
+
+def test_base_rows_first_step_outputs_are_the_base_models(load_base):
+    """Issue 62, item 11: `"__base__"` rows' first-step attentions and hidden states covered the last prompt token
+    only. A batch of `"__base__"` rows is the base model's `generate`: the same shapes and values as under
+    `disable_adapter()`. Beside Bitune rows, whose first step reads the mixed cache with one query, the batch's first
+    step has one query per row: a base row's is the last row of what `disable_adapter()` gives."""
+    model = with_adapters(load_base("llama"), 2)
+    batch = left_padded(prompts(5, [6, 9]))
+    settings = dict(GREEDY, return_dict_in_generate=True, output_attentions=True, output_hidden_states=True,
+                    output_scores=True)
+    with model.disable_adapter():
+        base = model.generate(**batch, **settings)
+    only_base = model.generate(**batch, **settings, adapter_names=["__base__", "__base__"])
+    assert torch.equal(only_base.sequences, base.sequences)
+    for ours, theirs in zip(only_base.attentions[0] + only_base.hidden_states[0],
+                            base.attentions[0] + base.hidden_states[0]):
+        assert ours.shape == theirs.shape and ours.shape[-2] == batch["input_ids"].shape[1]
+        torch.testing.assert_close(ours, theirs, **ROUNDING)
+    mixed = model.generate(**batch, **settings, adapter_names=["other", "__base__"])
+    for ours, theirs in zip(mixed.attentions[0], base.attentions[0]):
+        assert ours.shape[-2] == 1
+        torch.testing.assert_close(ours[1, :, -1], theirs[1, :, -1], **ROUNDING)
+    for ours, theirs in zip(mixed.hidden_states[0], base.hidden_states[0]):
+        torch.testing.assert_close(ours[1, -1], theirs[1, -1], atol=1e-5, rtol=0)
+    assert torch.equal(mixed.sequences[1], base.sequences[1])
+
+
+# ------------------------------------------------------------------------------------------------------ fallback
+def test_adapters_that_lay_out_turns_differently_run_one_forward_each(load_base):
+    """The one difference a batch cannot express: `multi_turn="history"` re-reads every turn's history, the
+    alternating way carries one cache. Such a batch runs one forward per setting; every row and the loss as each
+    adapter gives them alone."""
+    model = with_adapters(load_base("llama"), 2)
+    torch.manual_seed(5)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model.add_adapter("history", BituneConfig(adapter_config=lora, multi_turn="history"))
+    model.set_adapter("default")
+    model.eval()
+    names = ["history", "default", "other", "history"]
+    rows, batch = make_conversations("left")
+    with torch.no_grad():
+        out = model(**batch, adapter_names=names)
+        loss_sum = 0.0
+        for name, group in rows_by_adapter(names).items():
+            own = alone(model, name, lambda group=group: model(**select(batch, group)))
+            torch.testing.assert_close(out.logits[group], own.logits, **ROUNDING)
+            loss_sum = loss_sum + own.loss * int((batch["labels"][group] != -100).sum())
+        history = alone(model, "history", lambda: model(**batch))
+        alternating = alone(model, "default", lambda: model(**batch))
+    assert (history.logits[0] - alternating.logits[0]).abs().max() > 1e-3  # the layouts differ on these rows
+    torch.testing.assert_close(out.loss, loss_sum / int((batch["labels"] != -100).sum()), atol=1e-5, rtol=0)
+
+
+def test_an_inner_method_without_per_row_adapters_is_refused_before_any_work(load_base):
+    model = make_bitune(load_base("llama"), adapter_config=IA3Config(target_modules=["q_proj", "v_proj"],
+                                                                   feedforward_modules=[]))
+    model.add_adapter("other", BituneConfig(adapter_config=IA3Config(target_modules=["q_proj", "v_proj"],
+                                                                     feedforward_modules=[])))
+    model.eval()
+    batch = left_padded(prompts(3, [2, 3]))
+    with pytest.raises(ValueError, match="per-row mechanism, which Linear layers do not have"):
+        model.generate(**batch, **GREEDY, adapter_names=["other", "default"])

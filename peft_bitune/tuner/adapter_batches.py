@@ -1,53 +1,62 @@
 """
-Batches whose rows use different adapters (PEFT's `adapter_names`, one adapter name per row).
+Batches whose rows use different adapters (PEFT's `adapter_names`, one adapter name per row), run as one batch.
 
-PEFT's LoRA routes each row to its adapter inside every layer. A Bitune adapter is more than per-layer weights: it
-reads each prompt twice with its two weight sets and mixes the two caches with its own scalars, in passes whose
-lengths depend on the batch. So the rows are grouped by adapter, each group runs the ordinary path of that adapter on
-exactly its rows (the same columns and padding), and the outputs are put back in row order: every row gets what its
-adapter gives it when its group runs alone, to the bit.
+As PEFT's LoRA does it: every pass of the batch hands each tuner layer the per-row names of that pass's weight sets
+(`"{name}__causal"`, `"{name}__bidirectional"`, or `"__base__"`: no adapter), and the inner method applies each row's
+weights to its own rows (LoRA's `adapter_names`, `_mixed_batch_forward`). Each row's prompt caches are mixed with its
+own adapter's coefficients; a `"__base__"` row mixes nothing (alpha 0), so its cache is exactly the causal pass of the
+base weights. A mixed batch is then one forward, one prefill and one `generate` loop.
 
-This module holds the bookkeeping (which rows, and how their outputs and caches go back together); `BituneModel`
-runs the groups.
+Where one batch cannot express a difference, the smallest part runs apart: the bidirectional prompt pass of rows whose
+adapters read it with another mask (`second_pass_attention`) is a call of its own (`BitunePasses.prompt_pass`), and a
+forward over adapters with different `multi_turn` settings runs once per setting (`BituneModel._forward_per_mode`).
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.nn import functional as F
+from torch import nn
 
-from .. import compat
-from ..constants import IGNORE_INDEX
-from .caches import BituneCache
-from .mixing import at_least_float32
+from ..constants import BIDIRECTIONAL, CAUSAL, WeightSet
 
 # PEFT's name for the rows of a mixed batch that run without any adapter.
 BASE_ADAPTER = "__base__"
 
-
-@dataclass(frozen=True)
-class AdapterGroup:
-    """The rows of a batch that use one adapter.
-
-    Args:
-        adapter (`str`): a Bitune adapter name.
-        rows (`torch.LongTensor` of shape (group_size,)): the group's rows in the batch, ascending.
-    """
-
-    adapter: str
-    rows: torch.Tensor
+# The `adapter_names` PEFT's hook (`BituneModel._enable_peft_forward_hooks`) was given, with the tuner it was given to,
+# for the call it wraps: `PeftModel.forward` and `generate` drop them before calling the tuner.
+_NAMES_OF_CALL: ContextVar[tuple[Any, Any] | None] = ContextVar("bitune_adapter_names", default=None)
 
 
-def adapter_groups(
-    adapter_names: Any, batch_size: int, known: Sequence[str], training: bool
-) -> list[AdapterGroup]:
-    """Check `adapter_names` (one name per row) before any work and group the rows by adapter, in the order of each
-    adapter's first row."""
+@contextmanager
+def names_of_call(tuner: Any, adapter_names: Any) -> Iterator[None]:
+    """Within the block, `adapter_names` are the names of `tuner`'s call (read by `call_names`)."""
+    token = _NAMES_OF_CALL.set((tuner, adapter_names))
+    try:
+        yield
+    finally:
+        _NAMES_OF_CALL.reset(token)
+
+
+def call_names(tuner: Any, given: Any) -> Any:
+    """The names of a call: given as an argument, or else handed to `tuner` by PEFT's hook around the call."""
+    held = _NAMES_OF_CALL.get()
+    if given is None and held is not None and held[0] is tuner:
+        return held[1]
+    return given
+
+
+def check_adapter_names(
+    adapter_names: Any, batch_size: int, known: Sequence[str], training: bool, per_prompt: int = 1
+) -> list[str]:
+    """Refuse bad `adapter_names` before any work, as LoRA does; returns one name per row. With `per_prompt` output
+    rows per prompt (`num_return_sequences`), one name per output row is taken too (LoRA's form without beams) when
+    the rows of each prompt name one adapter, since a prompt is read once."""
     if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
         raise TypeError(
             f"`adapter_names` must be a list with one adapter name per row, got {type(adapter_names).__name__}."
@@ -57,193 +66,180 @@ def adapter_groups(
             "Cannot pass `adapter_names` when the model is in training mode (PEFT's LoRA refuses it too): call "
             "`model.eval()` first; to train several adapters, train each one with `set_adapter`."
         )
-    if len(adapter_names) != batch_size:
+    names = [str(name) for name in adapter_names]
+    if per_prompt > 1 and len(names) == batch_size * per_prompt:
+        blocks = [names[i : i + per_prompt] for i in range(0, len(names), per_prompt)]
+        if any(len(set(block)) > 1 for block in blocks):
+            raise ValueError(
+                "`adapter_names` names different adapters for the return sequences of one prompt, which is read once: "
+                "repeat the prompt in `input_ids` instead, one row per adapter."
+            )
+        names = [block[0] for block in blocks]
+    if len(names) != batch_size:
+        per_output = f" (or {batch_size * per_prompt}, one per returned sequence)" if per_prompt > 1 else ""
         raise ValueError(
-            f"`adapter_names` has {len(adapter_names)} names for a batch of {batch_size} rows: give one adapter "
-            "name per row (per prompt in `generate`, also with `num_beams` or `num_return_sequences`)."
+            f"`adapter_names` has {len(names)} names for a batch of {batch_size} rows: give one adapter name per row "
+            f"(per prompt in `generate`, also with `num_beams`{per_output})."
         )
-    unknown = sorted({str(name) for name in adapter_names} - {*known, BASE_ADAPTER})
+    unknown = sorted(set(names) - {*known, BASE_ADAPTER})
     if unknown:
         raise ValueError(
             f"`adapter_names` names adapters {unknown} that this model does not have: {sorted(known)} (or "
             f"{BASE_ADAPTER!r} for the base model)."
         )
-    order = list(dict.fromkeys(adapter_names))
-    return [
-        AdapterGroup(name, torch.tensor([i for i, n in enumerate(adapter_names) if n == name], dtype=torch.long))
-        for name in order
-    ]
+    return names
 
 
-# The arguments of `forward`, `prefill` and `generate` that hold one entry per row, split with the rows.
-PER_ROW_ARGUMENTS = ("input_ids", "attention_mask", "inputs_embeds", "labels", "prompt_mask", "position_ids")
+class RowRouting:
+    """Hands every tuner layer the per-row inner adapter names of the pass that runs, as PEFT's LoRA hook hands them
+    (`adapter_names`), for as long as the hooks are installed (one call). A layer that sees more rows than names (the
+    rows repeated for beams or return sequences) takes each name as many times, in transformers' order."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        unsupported = sorted({type(layer).__name__ for layer in layers if not hasattr(layer, "_mixed_batch_forward")})
+        if unsupported:
+            raise ValueError(
+                f"`adapter_names` runs each row with its own adapter through the inner PEFT method's per-row "
+                f"mechanism, which {unsupported[0]} layers do not have (PEFT's mixed batches are LoRA's): run each "
+                "adapter's rows in a call of their own, after `set_adapter`."
+            )
+        self.layers = layers
+        self.names: list[str] | None = None
+
+    @contextmanager
+    def routed(self, names: list[str]) -> Iterator[None]:
+        """Within the block, every layer runs each row with `names[row]`; the hooks are there for the outermost
+        block only."""
+        previous, self.names = self.names, names
+        handles = [] if previous is not None else [
+            layer.register_forward_pre_hook(self._hand_names, with_kwargs=True) for layer in self.layers
+        ]
+        try:
+            yield
+        finally:
+            self.names = previous
+            for handle in handles:
+                handle.remove()
+
+    def _hand_names(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.names is not None:
+            rows = len(args[0]) if args else len(next(iter(kwargs.values())))
+            repeat = rows // len(self.names)
+            kwargs["adapter_names"] = self.names if repeat == 1 else [n for n in self.names for _ in range(repeat)]
+        return args, kwargs
 
 
+@dataclass(frozen=True)
+class RowAdapters:
+    """
+    What each row of a mixed-adapter batch runs with, pass by pass.
 
-def split_arguments(arguments: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
-    """The arguments of one group: the rows `rows` of each per-row argument, the others as they are."""
-    return {
-        name: value[rows.to(value.device)] if name in PER_ROW_ARGUMENTS and isinstance(value, torch.Tensor) else value
-        for name, value in arguments.items()
-    }
+    Args:
+        names (`tuple[str, ...]`): each row's Bitune adapter, or `"__base__"`.
+        inner (`dict[WeightSet, list[str]]`): each row's inner adapter of each pass (`"__base__"` for none).
+        bidirectional (`torch.BoolTensor` of shape (rows,)): whether the row's second prompt pass is bidirectional
+            (`second_pass_attention`); `"__base__"` rows take the first adapter row's, as they mix nothing of it.
+        key_alpha, value_alpha (`torch.Tensor` of shape (num_layers, rows, 1, 1, 1)): each row's mixing coefficients
+            (0 for `"__base__"` rows and for the layers its adapter does not mix), float32.
+        mixed (`list[bool]`): per layer, whether any row mixes it.
+        routing (`RowRouting`): the hooks that hand the names to the layers.
+    """
 
+    names: tuple[str, ...]
+    inner: dict[WeightSet, list[str]]
+    bidirectional: torch.Tensor
+    key_alpha: torch.Tensor
+    value_alpha: torch.Tensor
+    mixed: list[bool]
+    routing: RowRouting
 
-def supervised_tokens(
-    labels: torch.Tensor, attention_mask: torch.Tensor | None, prompt_mask: torch.Tensor | None
-) -> torch.Tensor:
-    """The supervised tokens of a batch, as the Bitune forward counts them: labelled real tokens outside the
-    instruction, as a boolean tensor of the labels' shape."""
-    supervised = labels != IGNORE_INDEX
-    if attention_mask is not None:
-        supervised &= attention_mask.to(labels.device).bool()
-    if prompt_mask is not None:
-        supervised &= ~prompt_mask.to(labels.device).bool()
-    return supervised
-
-
-def supervised_count(
-    labels: torch.Tensor, attention_mask: torch.Tensor | None, prompt_mask: torch.Tensor | None
-) -> torch.Tensor:
-    """How many tokens `supervised_tokens` marks."""
-    return supervised_tokens(labels, attention_mask, prompt_mask).sum()
-
-
-def next_token_loss_sum(
-    logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor, prompt_mask: torch.Tensor | None
-) -> torch.Tensor:
-    """The summed next-token cross-entropy (in float32 at least) of the tokens `supervised_tokens` marks, from logits
-    at every position (the `"__base__"` rows)."""
-    supervised = supervised_tokens(labels, attention_mask, prompt_mask)
-    targets = labels.masked_fill(~supervised, IGNORE_INDEX)[:, 1:]
-    scores = logits[:, :-1]
-    scores = scores.to(at_least_float32(scores.dtype))
-    return F.cross_entropy(scores.reshape(-1, scores.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-
-
-def check_mixed_generation(kwargs: dict[str, Any], num_groups: int) -> None:
-    """Refuse, before any prompt is read, the `generate` arguments a mixed-adapter batch cannot honour exactly."""
-    if num_groups > 1 and kwargs.get("streamer") is not None:
-        raise ValueError("A `streamer` cannot follow a batch whose rows use several adapters: they are decoded one "
-                         "adapter after another. Stream each adapter's rows in a call of their own.")
-    if kwargs.get("prefix_allowed_tokens_fn") is not None:
-        raise ValueError("`prefix_allowed_tokens_fn` is not supported with `adapter_names`: its `batch_id` would "
-                         "count the rows of one adapter's group, not the batch's; generate each adapter's rows apart.")
-    other = sorted(name for name, value in kwargs.items()
-                   if isinstance(value, torch.Tensor) and name not in PER_ROW_ARGUMENTS)
-    if other:
-        raise ValueError(f"`{other[0]}` cannot be split by rows for `adapter_names`: pass only `input_ids`, "
-                         "`attention_mask` and `inputs_embeds` as tensors.")
-
-
-def pad_token_of(generation_config: Any, widths: list[int]) -> int:
-    """The token that pads a group's sequences to the batch's width: the pad token, else the first EOS token, as
-    `generate` pads finished rows."""
-    pad = generation_config.pad_token_id
-    if pad is None:
-        eos = generation_config.eos_token_id
-        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
-    if pad is None:
-        if len(set(widths)) == 1:
-            return 0  # nothing to pad
-        raise ValueError(
-            "The adapters' groups stopped at different lengths and there is no `pad_token_id` (nor `eos_token_id`) "
-            "to pad the shorter ones: pass `pad_token_id`."
+    @classmethod
+    def of(cls, names: list[str], adapters: dict[str, tuple[dict[WeightSet, str], Any, Any]], num_layers: int,
+           routing: RowRouting) -> RowAdapters:
+        """`adapters` maps each named adapter to (its inner names by pass, its `BituneConfig`, its mixer)."""
+        first = next((adapters[name][1] for name in names if name != BASE_ADAPTER), None)
+        alphas, attention = [], []
+        for name in names:
+            if name == BASE_ADAPTER:
+                zeros = torch.zeros(num_layers, dtype=torch.float32)
+                alphas.append((zeros, zeros))
+            else:
+                alphas.append(adapters[name][2].coefficients())
+            config = adapters[name][1] if name != BASE_ADAPTER else first
+            attention.append(config is None or config.second_pass_attention != CAUSAL)
+        device = alphas[0][0].device
+        key_alpha, value_alpha = (torch.stack([a[i].to(device) for a in alphas], dim=1)[:, :, None, None, None]
+                                  for i in (0, 1))
+        mixers = [adapters[name][2] for name in set(names) - {BASE_ADAPTER}]
+        return cls(
+            names=tuple(names),
+            inner={ws: [BASE_ADAPTER if n == BASE_ADAPTER else adapters[n][0][ws] for n in names]
+                   for ws in (CAUSAL, BIDIRECTIONAL)},
+            bidirectional=torch.tensor(attention),
+            key_alpha=key_alpha,
+            value_alpha=value_alpha,
+            mixed=[any(mixer.mixed[layer] for mixer in mixers) for layer in range(num_layers)],
+            routing=routing,
         )
-    return int(pad)
 
+    @property
+    def has_base_rows(self) -> bool:
+        return BASE_ADAPTER in self.names
 
-def expanded_rows(rows: torch.Tensor, per_row: int) -> torch.Tensor:
-    """The output rows of input rows `rows` when each input row gives `per_row` output rows (beams, return
-    sequences), in transformers' order."""
-    return (rows[:, None] * per_row + torch.arange(per_row)).reshape(-1)
+    @property
+    def all_base(self) -> bool:
+        return set(self.names) == {BASE_ADAPTER}
 
+    def routed(self, weight_set: WeightSet, decoder_layer: nn.Module | None = None) -> Any:
+        """Run the model with each row's weight set `weight_set` (the routing of `BituneModel.weights`)."""
+        return self.routing.routed(self.inner[weight_set])
 
-def scatter_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], batch_size: int) -> torch.Tensor:
-    """One tensor of `batch_size` rows from `(rows, tensor)` parts that cover every row once."""
-    first = parts[0][1]
-    merged = first.new_zeros((batch_size, *first.shape[1:]))
-    for rows, tensor in parts:
-        merged[rows.to(merged.device)] = tensor
-    return merged
+    def coefficients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each layer's per-row alphas, (num_layers, rows, 1, 1, 1), as `BituneKVMixer.coefficients` gives one's."""
+        return self.key_alpha, self.value_alpha
 
-
-def pad_columns(sequences: torch.Tensor, width: int, pad_token_id: int) -> torch.Tensor:
-    """`sequences` padded on the right with `pad_token_id` to `width` columns."""
-    missing = width - sequences.shape[1]
-    if missing == 0:
-        return sequences
-    return torch.cat([sequences, sequences.new_full((sequences.shape[0], missing), pad_token_id)], dim=1)
-
-
-def cache_rows(cache: BituneCache, rows: torch.Tensor) -> BituneCache:
-    """A new `BituneCache` holding rows `rows` of `cache` (keys/values and the conversation); `cache` is left as it
-    is."""
-    part = copy.copy(cache)
-    part.layers = [copy.copy(layer) for layer in cache.layers]
-    for layer in part.layers:
-        layer.batch_select_indices(rows.to(layer.keys.device) if layer.keys is not None else rows)
-    if cache.conversation_ids is not None:
-        part.conversation_ids = cache.conversation_ids[rows.to(cache.conversation_ids.device)]
-        part.conversation_mask = cache.conversation_mask[rows.to(cache.conversation_mask.device)]
-    return part
-
-
-def merge_caches(target: BituneCache, parts: list[tuple[torch.Tensor, BituneCache]], batch_size: int) -> None:
-    """Make `target` hold the rows of every `(rows, cache)` part, in row order. The parts must hold the same columns
-    (the same positions, read by each row's own adapter)."""
-    first = parts[0][1]
-    lengths = {part.get_seq_length() for _, part in parts}
-    widths = {part.conversation_length for _, part in parts}
-    if len(lengths) != 1 or len(widths) != 1:
-        raise RuntimeError(f"Caches of {sorted(lengths)} positions ({sorted(widths)} columns) cannot be merged.")
-    layers = []
-    for index, layer in enumerate(first.layers):
-        merged = copy.copy(layer)
-        if layer.keys is not None and layer.keys.numel() > 0:
-            merged.keys = scatter_rows([(rows, part.layers[index].keys) for rows, part in parts], batch_size)
-            merged.values = scatter_rows([(rows, part.layers[index].values) for rows, part in parts], batch_size)
-        layers.append(merged)
-    target.layers[:] = layers
-    if first.conversation_ids is not None:
-        target.conversation_ids = scatter_rows([(rows, part.conversation_ids) for rows, part in parts], batch_size)
-        target.conversation_mask = scatter_rows([(rows, part.conversation_mask) for rows, part in parts], batch_size)
-
-
-def merged_output(
-    outputs: list[Any], group_rows: list[torch.Tensor], sequences: torch.Tensor, cache: Any, batch_size: int
-) -> Any:
-    """The groups' `generate` outputs (`return_dict_in_generate=True`) as one, in row order: the merged sequences and
-    cache, and every other field put back in its rows (`merged_rows`)."""
-    first = outputs[0]
-    first_cache = compat.output_cache(first)
-    fields = {}
-    for name, value in first.items():
-        if name == "sequences":
-            fields[name] = sequences
-        elif value is first_cache:
-            fields[name] = cache
-        else:
-            fields[name] = merged_rows(name, [output[name] for output in outputs], group_rows, batch_size)
-    return type(first)(**fields)
-
-
-def merged_rows(name: str, values: list[Any], group_rows: list[torch.Tensor], batch_size: int) -> Any:
-    """One value of a `generate` output field from the groups' values, in row order: a tensor's rows (each input row
-    gives as many as the tensor has per group row: beams, return sequences) at their rows, and tuples (per step, per
-    layer) element by element. Beam indices are padded with -1 beyond a sequence's steps, as transformers pads them.
-    Per-step fields of groups that decoded different numbers of steps cannot be lined up, and are refused."""
-    if isinstance(values[0], torch.Tensor):
-        if name == "beam_indices":
-            steps = max(value.shape[1] for value in values)
-            values = [pad_columns(value, steps, -1) for value in values]
-        per_row = values[0].shape[0] // len(group_rows[0])
-        parts = [(expanded_rows(rows, per_row), value) for rows, value in zip(group_rows, values)]
-        return scatter_rows(parts, batch_size * per_row)
-    if len({len(value) for value in values}) != 1:
-        raise ValueError(
-            f"`{name}` cannot be returned for this mixed-adapter batch: its adapters' rows stopped after different "
-            f"numbers of steps ({sorted({len(value) for value in values})}), and a step one group never ran has no "
-            "value. Generate each adapter's rows in a call of their own, or leave the per-step outputs off."
+    def select(self, rows: torch.Tensor) -> RowAdapters:
+        """The same for rows `rows` of the batch (a history-mode turn runs on the rows that have it)."""
+        picked = rows.tolist()
+        return replace(
+            self,
+            names=tuple(self.names[i] for i in picked),
+            inner={ws: [names[i] for i in picked] for ws, names in self.inner.items()},
+            bidirectional=self.bidirectional[rows.cpu()],
+            key_alpha=self.key_alpha[:, rows.to(self.key_alpha.device)],
+            value_alpha=self.value_alpha[:, rows.to(self.value_alpha.device)],
         )
-    return tuple(merged_rows(name, list(items), group_rows, batch_size) for items in zip(*values))
+
+    def by_attention(self) -> list[tuple[bool, torch.Tensor | None]]:
+        """The rows of each mask of the second prompt pass: `[(bidirectional, rows)]`, `rows` `None` for all."""
+        kinds = self.bidirectional.unique().tolist()
+        if len(kinds) == 1:
+            return [(bool(kinds[0]), None)]
+        return [(kind, (self.bidirectional == kind).nonzero().flatten()) for kind in (True, False)]
+
+    def rows_by(self, setting: Callable[[str], Any]) -> dict[Any, torch.Tensor]:
+        """The rows of each value of an adapter's `setting(name)` (`"__base__"` rows go with the first value)."""
+        values = [None if name == BASE_ADAPTER else setting(name) for name in self.names]
+        first = next((value for value in values if value is not None), None)
+        values = [first if value is None else value for value in values]
+        return {value: torch.tensor([i for i, v in enumerate(values) if v == value])
+                for value in dict.fromkeys(values)}
+
+
+def refuse_base_rows_over_bitune_cache(rows: RowAdapters | None, bitune_cache: bool) -> None:
+    """`"__base__"` rows run the base model, which continues a Bitune cache no more than inside `disable_adapter()`."""
+    if rows is not None and rows.has_base_rows and bitune_cache:
+        raise ValueError(
+            f"{BASE_ADAPTER!r} rows run the base model, which cannot continue a Bitune cache (the mixed keys/values "
+            "of Bitune adapters), as inside `disable_adapter()`: continue those rows without `adapter_names` inside "
+            "`disable_adapter()`, with a cache of the base model's own."
+        )
+
+
+def base_rows_read_once(inputs: Any, rows: RowAdapters) -> Any:
+    """Checked training inputs (`checks.TrainingInputs`) in which each `"__base__"` row is one instruction token and
+    then an answer: read once, causally, as the base model reads it, with logits at every position. Its labels keep
+    supervising exactly what they did."""
+    base = torch.tensor([name == BASE_ADAPTER for name in rows.names], device=inputs.valid.device)
+    after_first = torch.arange(inputs.valid.shape[1], device=base.device)[None, :] > inputs.row_starts[:, None]
+    return replace(inputs, is_answer=torch.where(base[:, None], inputs.valid & after_first, inputs.is_answer))

@@ -174,6 +174,30 @@ def reading_pass_cache(cache: DynamicCache, stop_after_last_record: bool = False
     return Cache(layers=layers)
 
 
+def pass_cache_rows(cache: Cache, rows: torch.Tensor) -> Cache:
+    """A pass cache like `cache` (held prefixes, recording) over rows `rows` of its batch, for the part of a pass that
+    runs on those rows alone (`BitunePasses.prompt_pass`)."""
+    def picked(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor[rows.to(tensor.device)]
+
+    return Cache(layers=[
+        PassCacheLayer(picked(layer.prefix_keys), picked(layer.prefix_values), record=layer.record,
+                       offset=layer.offset, is_sliding=layer.is_sliding, stop_after_record=layer.stop_after_record)
+        for layer in cache.layers
+    ])
+
+
+def merge_recorded_rows(cache: Cache, parts: list[tuple[torch.Tensor, Cache]]) -> None:
+    """Record into `cache` what the `(rows, pass_cache_rows(cache, rows))` parts, which cover its rows, recorded."""
+    for index, layer in enumerate(cache.layers):
+        for name in ("recorded_keys", "recorded_values"):
+            first = getattr(parts[0][1].layers[index], name)
+            merged = first.new_empty((sum(len(rows) for rows, _ in parts), *first.shape[1:]))
+            for rows, part in parts:
+                merged[rows.to(merged.device)] = getattr(part.layers[index], name)
+            setattr(layer, name, merged)
+
+
 class BituneCache(DynamicCache):
     """
     The generation cache of a Bitune conversation.

@@ -9,16 +9,17 @@ the passes of `passes.py` and never check the prompts again:
 - `continue_conversation` (paper A.8, alternating): the previous answer's last token runs causally, then the new
   instruction minus its last token is read twice over the whole cache and mixed;
 - `decode`: either of those, then `generate` decodes from the cache; after beam search the cache is made to hold the
-  returned sequences, so that a conversation can go on from any of them;
-- `decode_without_adapter`: the same for the rows of a mixed-adapter batch that run without any adapter
-  (`"__base__"`), whose prompt the base model reads once, causally.
+  returned sequences, so that a conversation can go on from any of them.
+
+Every pass and the decoding run through `BitunePasses.routed`: the active adapter's weight set, or each row's own for
+a batch whose rows name different adapters (`adapter_batches.py`).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ def continue_conversation(passes: BitunePasses, cache: BituneCache, prompts: Pro
     instruction minus its last token read twice over the whole cache, mixed and appended."""
     past, answered, width = cache.get_seq_length(), cache.conversation_length, prompts.width
     if answered > past:
-        with passes.weights(CAUSAL):
+        with passes.routed(CAUSAL):
             run_causally(passes.model, cache, prompts.tokens(past, answered), prompts.attention_mask, past, answered)
     if width - 1 == answered:
         return  # a one-token instruction adds nothing to mix
@@ -99,30 +100,8 @@ def decode(
             continue_conversation(passes, cache, prompts)
         else:
             cache = prefill_cache(passes, prompts)
-    return _decode_from(passes.model, lambda: passes.weights(CAUSAL), prompts, cache, continuing, generation_config,
+    return _decode_from(passes.model, lambda: passes.routed(CAUSAL), prompts, cache, continuing, generation_config,
                         kwargs)
-
-
-def decode_without_adapter(
-    model: Any, prompts: Prompts, cache: BituneCache | None, generation_config: Any, kwargs: dict[str, Any]
-) -> Any:
-    """`decode` for rows that run without any adapter (the model routed to none): what the cache has not read of the
-    input but its last token is read once, causally, then `generate` decodes as in `decode`."""
-    continuing = cache is not None
-    if cache is None:
-        cache = BituneCache(config=model.config, owner=model)
-    with torch.no_grad():
-        read_without_adapter(model, cache, prompts)
-    return _decode_from(model, nullcontext, prompts, cache, continuing, generation_config, kwargs)
-
-
-def read_without_adapter(model: Any, cache: BituneCache, prompts: Prompts) -> None:
-    """Bring `cache` to the last input token by reading the columns it lacks once, causally (the base model's
-    prefill of rows without an adapter), and record the conversation it then stands for."""
-    start, end = cache.get_seq_length(), prompts.width - 1
-    if end > start:
-        run_causally(model, cache, prompts.tokens(start, end), prompts.attention_mask, start, end)
-    cache.remember_conversation(prompts.input_ids[:, :-1], prompts.attention_mask[:, :-1])
 
 
 def _decode_from(
@@ -135,7 +114,7 @@ def _decode_from(
     kwargs: dict[str, Any],
 ) -> Any:
     """`generate` from a cache that holds every input column but the last; `causal()` routes the model to the
-    weights that decode."""
+    weights that decode (each row's, in a mixed-adapter batch)."""
     # Beam search leaves the cache rows of its last running beams, not of the sequences it returns: keep the cache as
     # it is before decoding, to rebuild the returned sequences' rows where the caller can reach the cache.
     before_decoding = None
@@ -146,7 +125,8 @@ def _decode_from(
         cache.batch_repeat_interleave(expand)
     attention_mask = prompts.attention_mask
     kwargs["attention_mask"] = attention_mask
-    output = model.generate(**{compat.CACHE_NAME: cache}, **kwargs)
+    with causal():
+        output = model.generate(**{compat.CACHE_NAME: cache}, **kwargs)
     sequences = output.sequences if hasattr(output, "sequences") else output
     rows_per_prompt = sequences.shape[0] // attention_mask.shape[0]
     generated = sequences.shape[1] - attention_mask.shape[1]

@@ -12,9 +12,10 @@ The route of the inputs through these modules is in the package's docstring (`tu
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from ..constants import (
     BIDIRECTIONAL,
     BITUNE_PREFIX,
     CAUSAL,
+    IGNORE_INDEX,
     INNER_SEPARATOR,
     MIXERS_ATTRIBUTE,
     WEIGHT_SETS,
@@ -39,6 +41,7 @@ from ..persistence.base_model_records import match_base_model
 from ..persistence.checkpoint_keys import checkpoint_key, loaded_adapter_state, saved_adapter_state
 from ..utils.base_model import has_sliding_window_layers, max_positions, num_layers
 from . import adapter_batches, generation
+from .adapter_batches import RowAdapters
 from .caches import BituneCache
 from .checks import (
     Prompts,
@@ -48,7 +51,6 @@ from .checks import (
     check_prompts,
     check_token_ids,
     check_training_inputs,
-    positions_for,
 )
 from .config import BituneConfig
 from .fused_head import (
@@ -64,9 +66,6 @@ from .passes import BitunePasses, answer_loss
 from .quantization import check_quantized_base, prepare_quantized_layers
 from .routing import LayerRouter
 from .sharding import check_sharding
-
-# Where `_enable_peft_forward_hooks` keeps the `adapter_names` of the PEFT call it wraps, for that call's tuner method.
-_ADAPTER_NAMES_OF_CALL = "_adapter_names_of_call"
 
 
 class BituneModel(BaseTuner):
@@ -385,6 +384,62 @@ class BituneModel(BaseTuner):
             decoder_layer_paths=paths,
         )
 
+    def _passes_of(self, rows: RowAdapters | None) -> BitunePasses:
+        """The passes of a forward with each row's own adapter (`rows`), or with the active adapter."""
+        return self._passes() if rows is None else dataclasses.replace(self._passes(), rows=rows)
+
+    # ------------------------------------------------------------------ mixed-adapter batches
+    @contextmanager
+    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        """PEFT's hook around `PeftModel.forward` and `generate`, which drop `adapter_names` before calling the tuner:
+        the call inside reads them from this context (`adapter_batches.call_names`)."""
+        with adapter_batches.names_of_call(self, kwargs.get("adapter_names")):
+            yield
+
+    def _row_adapters(self, adapter_names: Any, batch_size: int | None, per_prompt: int = 1) -> RowAdapters | None:
+        """What each row of a mixed-adapter call runs with (`adapter_batches.py`), checked; `None` for an ordinary
+        call. The names come as an argument or from PEFT's hook. With the adapters disabled every row runs the base
+        model, as in PEFT."""
+        adapter_names = adapter_batches.call_names(self, adapter_names)
+        if adapter_names is None or self._adapters_disabled():
+            return None
+        if batch_size is None:
+            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+        names = adapter_batches.check_adapter_names(adapter_names, batch_size, list(self.peft_config), self.training,
+                                                    per_prompt)
+        named = sorted(set(names) - {adapter_batches.BASE_ADAPTER})
+        dora = [name for name in named if getattr(self.peft_config[name].adapter_config, "use_dora", False)]
+        if dora:
+            raise ValueError(f"`adapter_names` cannot route rows to DoRA adapters ({dora}), as PEFT's LoRA cannot: "
+                             "run each adapter's rows in a call of their own, after `set_adapter`.")
+        adapters = {name: (self._inner_names(name), self.peft_config[name], self.bitune_mixers[name])
+                    for name in named}
+        routing = adapter_batches.RowRouting(self._router.index.tuner_layers)
+        return RowAdapters.of(names, adapters, num_layers(self.model), routing)
+
+    def _forward_per_mode(
+        self, rows: RowAdapters, tensors: dict[str, Any], kwargs: dict[str, Any], num_items_in_batch: Any
+    ) -> CausalLMOutputWithPast:
+        """The one fallback of a mixed-adapter forward: adapters that lay out turns differently (`multi_turn`) run one
+        forward per setting over their rows; the logits go back in row order and the losses, each divided by the
+        supervised tokens of the whole batch, add up."""
+        checked = check_training_inputs(tensors["input_ids"], tensors["inputs_embeds"], tensors["attention_mask"],
+                                        tensors["labels"], tensors["prompt_mask"], dict(kwargs), self._position_limit)
+        if checked.labels is not None and num_items_in_batch is None:
+            num_items_in_batch = (checked.labels != IGNORE_INDEX).sum()
+        logits, loss = None, None
+        for subset in rows.rows_by(lambda name: self.peft_config[name].multi_turn).values():
+            def part(value: Any, subset: torch.Tensor = subset) -> Any:
+                return value[subset.to(value.device)] if isinstance(value, torch.Tensor) else value
+
+            output = self.forward(**{k: part(v) for k, v in {**tensors, **kwargs}.items()},
+                                  adapter_names=[rows.names[i] for i in subset], num_items_in_batch=num_items_in_batch)
+            if logits is None:
+                logits = output.logits.new_zeros((len(rows.names), *output.logits.shape[1:]))
+            logits[subset.to(logits.device)] = output.logits
+            loss = output.loss if loss is None else loss + output.loss
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
     # ------------------------------------------------------------------ training forward
     def forward(
         self,
@@ -424,7 +479,9 @@ class BituneModel(BaseTuner):
                 whose labels mark no answer token then score nothing, as with TRL's own head.
             shift_labels (`torch.Tensor`, *optional*): refused (labels pre-shifted for context parallelism).
             adapter_names (`list[str]`, *optional*): one adapter name per row, as PEFT takes it (also through
-                `PeftModel.forward`): each row runs with its own adapter (`_mixed_forward`). Evaluation mode only.
+                `PeftModel.forward`): each row runs with its own adapter, in one batch (`adapter_batches.py`); a
+                `"__base__"` row is read once, causally, by the base model (logits at every position). Evaluation
+                mode only.
             kwargs: other arguments of the model's forward. The three passes cover different parts of each row, so
                 none is handed on: `position_ids` are accepted when they are the ordinary positions every pass uses
                 anyway (0, 1, ... over each row's real tokens), `logits_to_keep` when 0; anything else (e.g. packed
@@ -439,14 +496,12 @@ class BituneModel(BaseTuner):
         kwargs[compat.NEW_CACHE_NAME] = cache
         cache = compat.pop_cache(kwargs)  # `cache`, or its old name `past_key_values`
         sequence = input_ids if input_ids is not None else inputs_embeds
-        groups = self._adapter_groups(adapter_names, None if sequence is None else sequence.shape[0])
-        if groups is not None:
-            return self._mixed_forward(groups, cache, kwargs, input_ids=input_ids, attention_mask=attention_mask,
-                                       inputs_embeds=inputs_embeds, labels=labels, prompt_mask=prompt_mask,
-                                       num_items_in_batch=num_items_in_batch, fused_lm_head=fused_lm_head,
-                                       shift_labels=shift_labels)
+        rows = self._row_adapters(adapter_names, None if sequence is None else sequence.shape[0])
         disabled = self._adapters_disabled()
         if fused_lm_head:
+            if rows is not None:
+                raise ValueError("`adapter_names` cannot be combined with `fused_lm_head=True` (TRL's training head): "
+                                 "run each adapter's rows in a batch of their own, after `set_adapter`.")
             check_fused_call(labels, shift_labels, cache)
             ensure_fused_head(self.model)
             if disabled:  # the base model alone: its own fused head
@@ -459,31 +514,33 @@ class BituneModel(BaseTuner):
             kwargs["shift_labels"] = shift_labels  # refused by name below, as any argument the passes cannot take
         if cache is not None and not disabled:
             check_continuation_arguments(labels, prompt_mask)
+            adapter_batches.refuse_base_rows_over_bitune_cache(rows, isinstance(cache, BituneCache))
         if disabled:
             generation.refuse_bitune_cache_while_disabled(cache)
         if disabled or cache is not None:
             # The base model alone, or a causal continuation of the cache with the causal weights (routed between
-            # passes).
-            return self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                inputs_embeds=inputs_embeds,
-                labels=labels,
-                **compat.with_cache(self.model, cache),
-                **kwargs,
-            )
+            # passes; each row's own in a mixed-adapter batch).
+            with nullcontext() if rows is None else rows.routed(CAUSAL):
+                return self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                                  labels=labels, **compat.with_cache(self.model, cache), **kwargs)
+        if rows is not None and len(rows.rows_by(lambda name: self.peft_config[name].multi_turn)) > 1:
+            tensors = dict(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                           labels=labels, prompt_mask=prompt_mask)
+            return self._forward_per_mode(rows, tensors, kwargs, num_items_in_batch)
         inputs = check_training_inputs(
             input_ids, inputs_embeds, attention_mask, labels, prompt_mask, kwargs, self._position_limit
         )
         if fused_lm_head:
             check_rows_to_read(inputs)
+        names = [self.active_adapter] if rows is None else [*set(rows.names) - {adapter_batches.BASE_ADAPTER}]
+        mode = self.peft_config[names[0] if names else self.active_adapter].multi_turn
+        if rows is not None and rows.has_base_rows:
+            inputs = adapter_batches.base_rows_read_once(inputs, rows)
         sequence = inputs.sequence
-        layout = ConversationLayout.from_inputs(
-            inputs, mode=self.peft_config[self.active_adapter].multi_turn, read_rows_without_answer=fused_lm_head
-        )
+        layout = ConversationLayout.from_inputs(inputs, mode=mode, read_rows_without_answer=fused_lm_head)
         check_sharding(self._router.index.decoder_layer_paths, num_layers(self.model), self.mixer)
         with self._router.checkpointing_keeps_caches():
-            answer_outputs = self._passes().run_layout(layout, sequence, fused_head=fused_lm_head)
+            answer_outputs = self._passes_of(rows).run_layout(layout, sequence, fused_head=fused_lm_head)
         if fused_lm_head:
             return fused_output(layout, answer_outputs, sequence.shape[:2], num_items_in_batch)
         answer_logits = [output.logits for output in answer_outputs]
@@ -520,21 +577,15 @@ class BituneModel(BaseTuner):
             attention_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on real tokens.
             cache (`BituneCache`, *optional*): the conversation to continue.
             adapter_names (`list[str]`, *optional*): one adapter name per row: each row is read by its own adapter,
-                and the one cache holds every row (`_mixed_prefill`). Evaluation mode only.
+                in one batch (`adapter_batches.py`). Evaluation mode only.
         """
         check_token_ids(input_ids)
-        groups = self._adapter_groups(adapter_names, input_ids.shape[0])
-        if groups is not None:
-            return self._mixed_prefill(groups, input_ids, attention_mask, cache)
-        prompts = self._checked_prompts(input_ids, attention_mask, cache)
-        return self._prefill_checked(prompts, cache)
-
-    def _prefill_checked(self, prompts: Prompts, cache: BituneCache | None) -> BituneCache:
-        """`prefill` of checked prompts, with the active adapter."""
+        rows = self._row_adapters(adapter_names, input_ids.shape[0])
+        prompts = self._checked_prompts(input_ids, attention_mask, cache, rows=rows)
         with generation.checkpointing_off(self._router.index.checkpoint_layers):
             if cache is None:
-                return generation.prefill_cache(self._passes(), prompts)
-            generation.continue_conversation(self._passes(), cache, prompts)
+                return generation.prefill_cache(self._passes_of(rows), prompts)
+            generation.continue_conversation(self._passes_of(rows), cache, prompts)
             cache.remember_conversation(prompts.input_ids[:, :-1], prompts.attention_mask[:, :-1])
             return cache
 
@@ -559,13 +610,12 @@ class BituneModel(BaseTuner):
         1, over the mixed cache), not the whole prompt as with the base model: the rest of the prompt was read by the
         two prompt passes. `peft_bitune.visualize.attention_maps` returns the attention of those passes.
 
-        With `adapter_names` (one adapter name per prompt, as PEFT takes it, also through `PeftModel.generate`), each
-        prompt is answered by its own adapter (`_mixed_generate`).
+        With `adapter_names` (one adapter name per prompt, or per returned sequence, as PEFT takes it, also through
+        `PeftModel.generate`), each prompt is answered by its own adapter, in one batch (`adapter_batches.py`).
         """
         adapter_names = kwargs.pop("adapter_names", None)
         if self._adapters_disabled():
-            self._adapter_groups(adapter_names, None)  # taken and dropped: every row runs the base model
-            cache = compat.pop_cache(kwargs)
+            cache = compat.pop_cache(kwargs)  # `adapter_names` dropped: every row runs the base model, as in PEFT
             generation.refuse_bitune_cache_while_disabled(cache)
             if cache is not None:
                 kwargs[compat.CACHE_NAME] = cache
@@ -582,45 +632,20 @@ class BituneModel(BaseTuner):
             )
         cache = compat.pop_cache(kwargs)
         check_token_ids(input_ids)
-        groups = self._adapter_groups(adapter_names, input_ids.shape[0])
-        if groups is not None:
-            return self._mixed_generate(groups, cache, kwargs)
-        prompts, generation_config = self._checked_generation(cache, kwargs)
-        return self._decode(prompts, cache, generation_config, kwargs)
-
-    def _checked_generation(
-        self, cache: BituneCache | None, kwargs: dict[str, Any], without_adapter: bool = False
-    ) -> tuple[Prompts, Any]:
-        """The checked prompts and generation config of a `generate` call (`kwargs` holds `input_ids`), for the
-        active adapter, or for rows that run `without_adapter`."""
-        input_ids = kwargs["input_ids"]
         # transformers' own resolution and checks of the generation arguments, before the prompt passes run.
         generation_config = generation.checked_generation_config(self.model, kwargs)
+        rows = self._row_adapters(adapter_names, input_ids.shape[0], generation_config.num_return_sequences or 1)
         attention_mask = kwargs.get("attention_mask")
         if attention_mask is None:
             attention_mask = compat.inferred_attention_mask(self.model, input_ids, generation_config)
-        prompts = self._checked_prompts(input_ids, attention_mask, cache, kwargs.get("inputs_embeds"), without_adapter)
-        check_generation_fits(
-            self._position_limit,
-            generation_config,
-            generation.max_length_is_set(self.model, kwargs),
-            prompts.attention_mask,
-        )
-        return prompts, generation_config
-
-    def _decode(
-        self,
-        prompts: Prompts,
-        cache: BituneCache | None,
-        generation_config: Any,
-        kwargs: dict[str, Any],
-        without_adapter: bool = False,
-    ) -> Any:
-        """`generate` of checked prompts, with the active adapter, or `without_adapter` (the model routed to none)."""
+        prompts = self._checked_prompts(input_ids, attention_mask, cache, kwargs.get("inputs_embeds"), rows)
+        check_generation_fits(self._position_limit, generation_config,
+                              generation.max_length_is_set(self.model, kwargs), prompts.attention_mask)
+        if rows is not None and rows.all_base:
+            with rows.routed(CAUSAL):  # no prompt to read twice: the base model's own `generate`
+                return self.model.generate(**kwargs)
         with generation.checkpointing_off(self._router.index.checkpoint_layers):
-            if without_adapter:
-                return generation.decode_without_adapter(self.model, prompts, cache, generation_config, kwargs)
-            return generation.decode(self._passes(), prompts, cache, generation_config, kwargs)
+            return generation.decode(self._passes_of(rows), prompts, cache, generation_config, kwargs)
 
     def _checked_prompts(
         self,
@@ -628,231 +653,21 @@ class BituneModel(BaseTuner):
         attention_mask: torch.Tensor | None,
         cache: Any,
         inputs_embeds: torch.Tensor | None = None,
-        without_adapter: bool = False,
+        rows: RowAdapters | None = None,
     ) -> Prompts:
         """The prompts of `prefill` or `generate`, checked where they enter: fresh ones by `check_prompts`, a
-        conversation going on by its cache (`BituneCache.checked_continuation`), and by the active adapter's way of
-        reading turns unless the rows run `without_adapter` (`"__base__"` rows of a mixed-adapter batch)."""
+        conversation going on by its cache (`BituneCache.checked_continuation`) and by the way each adapter that
+        continues it reads turns."""
         if cache is None:
             return check_prompts(input_ids, attention_mask, self._position_limit, inputs_embeds,
                                  sliding_window=self._sliding_window)
         self._bitune_cache(cache)
-        limit = self._position_limit
-        prompts = cache.checked_continuation(self.model, input_ids, attention_mask, limit, inputs_embeds)
-        if not without_adapter:
-            generation.check_history_continuation(self.peft_config[self.active_adapter].multi_turn, cache, prompts)
+        adapter_batches.refuse_base_rows_over_bitune_cache(rows, True)
+        prompts = cache.checked_continuation(self.model, input_ids, attention_mask, self._position_limit,
+                                             inputs_embeds)
+        for name in [self.active_adapter] if rows is None else sorted(set(rows.names)):
+            generation.check_history_continuation(self.peft_config[name].multi_turn, cache, prompts)
         return prompts
-
-    # ------------------------------------------------------------------ mixed-adapter batches
-    @contextmanager
-    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
-        """PEFT's hook around `PeftModel.forward` and `generate`, which drop `adapter_names` before calling the tuner:
-        the call inside takes them from here (`_adapter_groups`)."""
-        previous = self.__dict__.get(_ADAPTER_NAMES_OF_CALL)
-        self.__dict__[_ADAPTER_NAMES_OF_CALL] = kwargs.get("adapter_names")
-        try:
-            yield
-        finally:
-            self.__dict__[_ADAPTER_NAMES_OF_CALL] = previous
-
-    def _adapter_groups(self, adapter_names: Any, batch_size: int | None) -> list[adapter_batches.AdapterGroup] | None:
-        """The rows of a mixed-adapter batch grouped by adapter, checked; `None` for an ordinary call. The names come
-        as an argument or from PEFT's hook, and are taken once, so that the groups' own runs see none. With the
-        adapters disabled every row runs the base model, as in PEFT."""
-        from_hook = self.__dict__.pop(_ADAPTER_NAMES_OF_CALL, None)
-        adapter_names = from_hook if adapter_names is None else adapter_names
-        if adapter_names is None or self._adapters_disabled():
-            return None
-        if batch_size is None:
-            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
-        return adapter_batches.adapter_groups(adapter_names, batch_size, list(self.peft_config), self.training)
-
-    @contextmanager
-    def _running(self, adapter_name: str) -> Iterator[None]:
-        """Run with `adapter_name` as the active adapter (its weight sets, mixing scalars and settings) without
-        touching `requires_grad`, as `set_adapter` would; `"__base__"` routes the layers to no adapter (the base
-        model). The layers stay routed to the adapter's causal weights between passes. Restored on exit."""
-        layers = self._router.index.tuner_layers
-        previous = self.active_adapter, [compat.routed_adapters(layer) for layer in layers]
-        try:
-            if adapter_name == adapter_batches.BASE_ADAPTER:
-                compat.route_layers(layers, [])
-            else:
-                self.active_adapter = adapter_name
-                self._router.route_to(self._inner_names(adapter_name)[CAUSAL])
-            yield
-        finally:
-            self.active_adapter = previous[0]
-            for layer, active in zip(layers, previous[1]):
-                compat.route_layers([layer], active)
-
-    def _mixed_forward(
-        self,
-        groups: list[adapter_batches.AdapterGroup],
-        cache: Cache | None,
-        kwargs: dict[str, Any],
-        num_items_in_batch: int | torch.Tensor | None,
-        fused_lm_head: bool,
-        **inputs: Any,
-    ) -> CausalLMOutputWithPast:
-        """
-        The forward of a mixed-adapter batch: each group of rows runs the ordinary forward with its adapter, and the
-        logits go back in row order. The loss is the batch's, as for one adapter: every row's summed cross-entropy
-        over its supervised tokens, divided by the supervised tokens of the whole batch (or `num_items_in_batch`).
-        With `cache` (a continuation), each row continues its own rows of the cache, which is extended in place.
-        """
-        if fused_lm_head:
-            raise ValueError(
-                "`adapter_names` cannot be combined with `fused_lm_head=True` (TRL's training head): run each "
-                "adapter's rows in a batch of their own, after `set_adapter`."
-            )
-        batch_size = (inputs["input_ids"] if inputs["input_ids"] is not None else inputs["inputs_embeds"]).shape[0]
-        labels = inputs["labels"]
-        if cache is None:
-            # The whole batch checked first, as one batch (its row numbers in the errors), before any group runs.
-            arguments = dict(kwargs)
-            if inputs["shift_labels"] is not None:
-                arguments["shift_labels"] = inputs["shift_labels"]
-            check_training_inputs(inputs["input_ids"], inputs["inputs_embeds"], inputs["attention_mask"], labels,
-                                  inputs["prompt_mask"], arguments, self._position_limit)
-            if labels is not None and num_items_in_batch is None:
-                num_items_in_batch = adapter_batches.supervised_count(
-                    labels, inputs["attention_mask"], inputs["prompt_mask"]
-                )
-        parts = []
-        for group in groups:
-            group_inputs = adapter_batches.split_arguments(inputs, group.rows)
-            group_kwargs = adapter_batches.split_arguments(kwargs, group.rows)
-            part_cache = None if cache is None else adapter_batches.cache_rows(self._bitune_cache(cache), group.rows)
-            with self._running(group.adapter):
-                if group.adapter == adapter_batches.BASE_ADAPTER and cache is None:
-                    output = self._forward_without_adapter(group_inputs, num_items_in_batch)
-                else:
-                    output = self.forward(**group_inputs, **group_kwargs, cache=part_cache,
-                                          num_items_in_batch=num_items_in_batch)
-            parts.append((group, output, part_cache))
-        logits = adapter_batches.scatter_rows([(group.rows, output.logits) for group, output, _ in parts], batch_size)
-        losses = [output.loss for _, output, _ in parts if output.loss is not None]
-        if cache is not None:
-            adapter_batches.merge_caches(cache, [(group.rows, part) for group, _, part in parts], batch_size)
-            return CausalLMOutputWithPast(logits=logits, **{compat.CACHE_NAME: cache})
-        return CausalLMOutputWithPast(loss=sum(losses) if losses else None, logits=logits)
-
-    def _forward_without_adapter(
-        self, inputs: dict[str, Any], num_items_in_batch: int | torch.Tensor | None
-    ) -> CausalLMOutputWithPast:
-        """The `"__base__"` rows of a mixed-adapter forward (the model routed to no adapter): the base model reads
-        each row once, causally, at its ordinary positions, and gives logits at every position. Their loss is the
-        summed cross-entropy of their supervised tokens, divided by the batch's count."""
-        sequence = inputs["input_ids"] if inputs["input_ids"] is not None else inputs["inputs_embeds"]
-        mask = inputs["attention_mask"]
-        if mask is None:
-            mask = torch.ones(sequence.shape[:2], dtype=torch.long, device=sequence.device)
-        logits = self.model(input_ids=inputs["input_ids"], inputs_embeds=inputs["inputs_embeds"], attention_mask=mask,
-                            position_ids=positions_for(mask)).logits
-        loss = None
-        if inputs["labels"] is not None:
-            loss_sum = adapter_batches.next_token_loss_sum(logits, inputs["labels"], mask, inputs["prompt_mask"])
-            loss = loss_sum / num_items_in_batch
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-    def _mixed_prefill(
-        self,
-        groups: list[adapter_batches.AdapterGroup],
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        cache: BituneCache | None,
-    ) -> BituneCache:
-        """`prefill` of a mixed-adapter batch: each group of rows is read by its adapter, every group checked before
-        any is read, and the one cache returned (or `cache`, extended in place) holds every row."""
-        batch_size = input_ids.shape[0]
-        plans = []
-        for group in groups:
-            part = None if cache is None else adapter_batches.cache_rows(self._bitune_cache(cache), group.rows)
-            rows = adapter_batches.split_arguments({"input_ids": input_ids, "attention_mask": attention_mask},
-                                                   group.rows)
-            base = group.adapter == adapter_batches.BASE_ADAPTER
-            with self._running(group.adapter):
-                prompts = self._checked_prompts(rows["input_ids"], rows["attention_mask"], part, without_adapter=base)
-            plans.append((group, part, prompts))
-        parts = []
-        for group, part, prompts in plans:
-            with self._running(group.adapter):
-                if group.adapter == adapter_batches.BASE_ADAPTER:
-                    part = BituneCache(config=self.model.config, owner=self.model) if part is None else part
-                    generation.read_without_adapter(self.model, part, prompts)
-                else:
-                    part = self._prefill_checked(prompts, part)
-            parts.append((group.rows, part))
-        target = cache if cache is not None else BituneCache(config=self.model.config, owner=self.model)
-        adapter_batches.merge_caches(target, parts, batch_size)
-        return target
-
-    def _mixed_generate(
-        self, groups: list[adapter_batches.AdapterGroup], cache: BituneCache | None, kwargs: dict[str, Any]
-    ) -> Any:
-        """
-        `generate` of a mixed-adapter batch: each group of prompts is answered by its adapter, every group checked
-        before any is read; the sequences go back in row order, those of groups that stopped earlier padded on the
-        right with the pad token. A returned or continued cache holds every row: a group that stopped earlier is fed
-        its padding, as `generate` feeds the finished rows of a batch, so that the conversation can go on.
-        """
-        batch_size = kwargs["input_ids"].shape[0]
-        plans = []
-        for group in groups:
-            part = None if cache is None else adapter_batches.cache_rows(self._bitune_cache(cache), group.rows)
-            group_kwargs = adapter_batches.split_arguments(kwargs, group.rows)
-            base = group.adapter == adapter_batches.BASE_ADAPTER
-            with self._running(group.adapter):
-                prompts, generation_config = self._checked_generation(part, group_kwargs, without_adapter=base)
-            adapter_batches.check_mixed_generation(kwargs, len(groups))
-            plans.append((group, part, prompts, generation_config, group_kwargs))
-        outputs = []
-        for group, part, prompts, generation_config, group_kwargs in plans:
-            base = group.adapter == adapter_batches.BASE_ADAPTER
-            with self._running(group.adapter):
-                outputs.append(self._decode(prompts, part, generation_config, group_kwargs, without_adapter=base))
-        return self._merged_generation(plans, outputs, cache, batch_size)
-
-    def _merged_generation(self, plans: list[tuple], outputs: list[Any], cache: BituneCache | None, batch_size: int):
-        """The outputs of `_mixed_generate`'s groups as one output, in row order (see there)."""
-        sequences = [output.sequences if hasattr(output, "sequences") else output for output in outputs]
-        width = max(s.shape[1] for s in sequences)
-        per_row = sequences[0].shape[0] // len(plans[0][0].rows)
-        pad_token_id = adapter_batches.pad_token_of(plans[0][3], [s.shape[1] for s in sequences])
-        rows = [adapter_batches.expanded_rows(group.rows, per_row) for group, *_ in plans]
-        padded = [adapter_batches.pad_columns(s, width, pad_token_id) for s in sequences]
-        merged = adapter_batches.scatter_rows(list(zip(rows, padded)), batch_size * per_row)
-        returns_dict = hasattr(outputs[0], "sequences")
-        caches = [part for _, part, *_ in plans] if cache is not None else None
-        if returns_dict:
-            caches = [compat.output_cache(output) for output in outputs]
-        merged_cache = None
-        if caches is not None:
-            for (group, *_), part, full in zip(plans, caches, padded):
-                if part.conversation_length < width:
-                    with self._running(group.adapter):
-                        self._feed_padding(part, full)
-            merged_cache = cache
-            if merged_cache is None:
-                merged_cache = copy.copy(caches[0])
-                merged_cache.layers = list(caches[0].layers)
-            adapter_batches.merge_caches(merged_cache, list(zip(rows, caches)), batch_size * per_row)
-        if not returns_dict:
-            return merged
-        group_rows = [group.rows for group, *_ in plans]
-        return adapter_batches.merged_output(outputs, group_rows, merged, merged_cache, batch_size)
-
-    @torch.no_grad()
-    def _feed_padding(self, cache: BituneCache, sequences: torch.Tensor) -> None:
-        """Extend `cache`, whose conversation ends before `sequences` does, by the columns it lacks (the last token it
-        was never fed, then padding), read causally as `generate` feeds the finished rows of a batch (attention 1),
-        with the weights `_running` routed the model to."""
-        start, end = cache.get_seq_length(), sequences.shape[1] - 1
-        fed = sequences.shape[1] - cache.conversation_length
-        mask = torch.cat([cache.conversation_mask.long(), sequences.new_ones(sequences.shape[0], fed)], dim=1)
-        generation.run_causally(self.model, cache, {"input_ids": sequences[:, start:end]}, mask, start, end)
-        cache.remember_conversation(sequences, mask)
 
     @staticmethod
     def _bitune_cache(cache: Any) -> BituneCache:

@@ -14,7 +14,8 @@ across layers. Only the turns a later turn of the same row reads (multi-turn row
 since every layer of every later pass reads them.
 `generate` runs steps 1-3 on the prompt through `BitunePasses.read_twice`, recording. The tuner (`BituneModel`)
 builds a `BitunePasses` for each forward: it hands over the model, how to route the layers to a weight set, the mixing
-scalars of the active adapter and the choices that depend on how the model is wrapped.
+scalars of the active adapter (or, for a batch whose rows name different adapters, each row's weight sets and
+coefficients: `adapter_batches.RowAdapters`) and the choices that depend on how the model is wrapped.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,7 +34,15 @@ from transformers.cache_utils import Cache
 from .. import compat
 from ..constants import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, SecondPassAttention, WeightSet
 from ..utils.base_model import decoder_of, num_layers
-from .caches import TrainingCache, pass_cache, recomputing_pass_cache, recorded_key_values
+from .adapter_batches import RowAdapters
+from .caches import (
+    TrainingCache,
+    merge_recorded_rows,
+    pass_cache,
+    pass_cache_rows,
+    recomputing_pass_cache,
+    recorded_key_values,
+)
 from .layer_inputs import ChainedRead, HeldKeyValues, PromptMix, PromptPassChain, capturing_layer_calls
 from .layout import Chunk, ConversationLayout, Turn
 from .mixing import BituneKVMixer, at_least_float32
@@ -61,6 +70,9 @@ class BitunePasses:
             than their keys/values; under checkpointing, where each cache layer has its decoder layer in
             `decoder_layer_paths`.
         decoder_layer_paths (`Sequence[LayerPath]`): where each decoder layer sits, to find FSDP2 units.
+        rows (`RowAdapters`, *optional*): for a batch whose rows name different adapters, each row's weight set of
+            each pass, mask of the second pass and coefficients, used instead of `weights`, `second_pass_attention`
+            and `mixer`.
     """
 
     model: nn.Module
@@ -70,13 +82,21 @@ class BitunePasses:
     stop_early: bool
     recompute_prompt: bool
     decoder_layer_paths: Sequence[LayerPath]
+    rows: RowAdapters | None = None
+
+    def routed(self, weight_set: WeightSet) -> AbstractContextManager:
+        """Run the model with weight set `weight_set`: the active adapter's, or each row's own."""
+        return self.weights(weight_set) if self.rows is None else self.rows.routed(weight_set)
 
     def run_layout(self, layout: ConversationLayout, sequence: torch.Tensor, fused_head: bool = False) -> list[Any]:
         """All turns of a training batch; returns each turn's answer-pass output, in layout order. `sequence` is the
         input ids (batch, seq) or embeddings (batch, seq, hidden). See `answer_pass` for `fused_head`."""
-        return [
-            output for turns, rows in layout.runs(sequence) for output in self.run_turns(turns, rows, fused_head)
-        ]
+        outputs = []
+        for turns, rows in layout.runs(sequence):
+            selected = turns[0].rows  # a history-mode turn runs on the rows that have it
+            passes = self if self.rows is None or selected is None else replace(self, rows=self.rows.select(selected))
+            outputs += passes.run_turns(turns, rows, fused_head)
+        return outputs
 
     def run_turns(self, turns: list[Turn], sequence: torch.Tensor, fused_head: bool = False) -> list[Any]:
         """
@@ -132,12 +152,14 @@ class BitunePasses:
         return [keys for keys, _ in mixed], [values for _, values in mixed]
 
     def _mixes(self, left: dict[WeightSet, list[ChainedRead | HeldKeyValues]], length: int) -> list[PromptMix]:
-        """Each layer's mix of what the two prompt passes left, with the active adapter's coefficients."""
-        key_alpha, value_alpha = self.mixer.coefficients()
+        """Each layer's mix of what the two prompt passes left, with the active adapter's coefficients (or each
+        row's)."""
+        coefficients = self.mixer if self.rows is None else self.rows
+        key_alpha, value_alpha = coefficients.coefficients()
         return [
             PromptMix(causal, bidirectional, key_alpha[layer], value_alpha[layer], mixed, length)
             for layer, (causal, bidirectional, mixed) in enumerate(
-                zip(left[CAUSAL], left[BIDIRECTIONAL], self.mixer.mixed)
+                zip(left[CAUSAL], left[BIDIRECTIONAL], coefficients.mixed)
             )
         ]
 
@@ -171,11 +193,27 @@ class BitunePasses:
     def prompt_pass(self, weight_set: WeightSet, cache: Cache, **inputs: Any) -> Any:
         """One prompt pass through the decoder (no LM head: only the keys/values it writes into `cache` are used; a
         cache that stops the pass after its last layer's keys/values ends it there, see `prompt_pass_end.py`).
-        Returns the decoder's output, or `None` for a pass that ended there."""
-        is_causal = weight_set == CAUSAL or self.second_pass_attention == CAUSAL
+        Returns the decoder's output, or `None` for a pass that ended there. The second pass of a batch whose rows'
+        adapters read it with different masks runs once per mask, over those rows (`None` is returned)."""
+        if weight_set == CAUSAL:
+            kinds = [(False, None)]
+        elif self.rows is None:
+            kinds = [(self.second_pass_attention != CAUSAL, None)]
+        else:
+            kinds = self.rows.by_attention()
+        if len(kinds) > 1:
+            parts = [(rows, pass_cache_rows(cache, rows)) for _, rows in kinds]
+            for (bidirectional, _), (rows, part) in zip(kinds, parts):
+                part_passes = replace(self, rows=self.rows.select(rows))
+                part_passes._decoder_pass(weight_set, part, not bidirectional, {k: v[rows] for k, v in inputs.items()})
+            merge_recorded_rows(cache, parts)
+            return None
+        return self._decoder_pass(weight_set, cache, not kinds[0][0], inputs)
+
+    def _decoder_pass(self, weight_set: WeightSet, cache: Cache, is_causal: bool, inputs: dict[str, Any]) -> Any:
         decoder = decoder_of(self.model)
         output = None
-        with self.weights(weight_set), ending_at_complete_record():
+        with self.routed(weight_set), ending_at_complete_record():
             output = decoder(**compat.with_cache(decoder, cache), use_cache=False, is_causal=is_causal, **inputs)
         return output
 
@@ -192,7 +230,7 @@ class BitunePasses:
         answers the fused call (`fused_head.ensure_fused_head`) with the chunk's labels, already shifted.
         """
         head = {"fused_lm_head": True, "shift_labels": chunk.labels} if fused_head else {}
-        with self.weights(CAUSAL):
+        with self.routed(CAUSAL):
             return self.model(
                 **chunk.pass_inputs(sequence, past_mask),
                 **compat.with_cache(self.model, cache),
