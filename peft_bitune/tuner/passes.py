@@ -168,7 +168,7 @@ class BitunePasses:
         answer pass through a `PromptPassChain` of what each layer was called with."""
         decoder_layers = [path.modules[-1] for path in self.decoder_layer_paths]
         weights = functools.partial(self.weights, weight_set)
-        with capturing_layer_calls(decoder_layers, weights) as calls:
+        with capturing_layer_calls(decoder_layers, weights, decoder_of(self.model)) as calls:
             self.prompt_pass(weight_set, _pass_cache(None, self.model, record=False), **inputs)
         chain = PromptPassChain(calls)
         return [ChainedRead(chain, index) for index in range(len(calls))]
