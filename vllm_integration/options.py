@@ -39,7 +39,10 @@ _REQUIRED = {
 _REFUSED = {
     "speculative_config": "speculative decoding runs draft rows the plugin would read as prompts",
     "hf_overrides": "the plugin sets `hf_overrides` itself (architecture and adapter folder)",
+    "scheduler_cls": "the plugin's scheduler stops a preempted request that vLLM would resume inexactly",
 }
+# The scheduler a Bitune engine runs (vllm_integration/scheduler.py; named, not imported: it imports vLLM's).
+SCHEDULER_NAME = "vllm_integration.scheduler.BituneScheduler"
 
 
 def bitune_architecture(architectures: list[str] | None) -> str:
@@ -76,6 +79,7 @@ def engine_kwargs(adapter_folder: str, architecture: str, max_position_embedding
         kwargs["max_model_len"] = max_model_len
         kwargs["max_num_batched_tokens"] = budget or max_model_len
     kwargs["hf_overrides"] = {"architectures": [architecture], ADAPTER_FIELD: adapter_folder}
+    kwargs["scheduler_cls"] = SCHEDULER_NAME
     return kwargs
 
 
@@ -95,6 +99,13 @@ def check_engine_config(vllm_config: Any) -> None:
             raise ValueError(
                 f"The Bitune adapter needs `{name}={value!r}` ({flag}), got {found[name]!r}: {why}."
             )
+    scheduler = vllm_config.scheduler_config.scheduler_cls
+    scheduler_name = scheduler if isinstance(scheduler, str) else f"{scheduler.__module__}.{scheduler.__qualname__}"
+    if scheduler_name != SCHEDULER_NAME:
+        raise ValueError(
+            f"The Bitune adapter needs `--scheduler-cls {SCHEDULER_NAME}`, got {scheduler_name}: vLLM's own scheduler "
+            "resumes a preempted request by reading its answer as prompt, which Bitune would mix."
+        )
     if vllm_config.speculative_config is not None:
         raise ValueError(f"Speculative decoding cannot be used with a Bitune adapter: {_REFUSED['speculative_config']}.")
     budget = vllm_config.scheduler_config.max_num_batched_tokens
