@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..constants import BIDIRECTIONAL, CAUSAL, WeightSet
 
@@ -137,50 +138,20 @@ class RowAdapters:
     Args:
         names (`tuple[str, ...]`): each row's Bitune adapter, or `"__base__"`.
         inner (`dict[WeightSet, list[str]]`): each row's inner adapter of each pass (`"__base__"` for none).
-        bidirectional (`torch.BoolTensor` of shape (rows,)): whether the row's second prompt pass is bidirectional
-            (`second_pass_attention`); `"__base__"` rows take the first adapter row's, as they mix nothing of it.
         key_alpha, value_alpha (`torch.Tensor` of shape (num_layers, rows, 1, 1, 1)): each row's mixing coefficients
             (0 for `"__base__"` rows and for the layers its adapter does not mix), float32.
         mixed (`list[bool]`): per layer, whether any row mixes it.
+        configs (`dict[str, BituneConfig]`): the named adapters' settings.
         routing (`RowRouting`): the hooks that hand the names to the layers.
     """
 
     names: tuple[str, ...]
     inner: dict[WeightSet, list[str]]
-    bidirectional: torch.Tensor
     key_alpha: torch.Tensor
     value_alpha: torch.Tensor
     mixed: list[bool]
+    configs: dict[str, Any]
     routing: RowRouting
-
-    @classmethod
-    def of(cls, names: list[str], adapters: dict[str, tuple[dict[WeightSet, str], Any, Any]], num_layers: int,
-           routing: RowRouting) -> RowAdapters:
-        """`adapters` maps each named adapter to (its inner names by pass, its `BituneConfig`, its mixer)."""
-        first = next((adapters[name][1] for name in names if name != BASE_ADAPTER), None)
-        alphas, attention = [], []
-        for name in names:
-            if name == BASE_ADAPTER:
-                zeros = torch.zeros(num_layers, dtype=torch.float32)
-                alphas.append((zeros, zeros))
-            else:
-                alphas.append(adapters[name][2].coefficients())
-            config = adapters[name][1] if name != BASE_ADAPTER else first
-            attention.append(config is None or config.second_pass_attention != CAUSAL)
-        device = alphas[0][0].device
-        key_alpha, value_alpha = (torch.stack([a[i].to(device) for a in alphas], dim=1)[:, :, None, None, None]
-                                  for i in (0, 1))
-        mixers = [adapters[name][2] for name in set(names) - {BASE_ADAPTER}]
-        return cls(
-            names=tuple(names),
-            inner={ws: [BASE_ADAPTER if n == BASE_ADAPTER else adapters[n][0][ws] for n in names]
-                   for ws in (CAUSAL, BIDIRECTIONAL)},
-            bidirectional=torch.tensor(attention),
-            key_alpha=key_alpha,
-            value_alpha=value_alpha,
-            mixed=[any(mixer.mixed[layer] for mixer in mixers) for layer in range(num_layers)],
-            routing=routing,
-        )
 
     @property
     def has_base_rows(self) -> bool:
@@ -205,25 +176,72 @@ class RowAdapters:
             self,
             names=tuple(self.names[i] for i in picked),
             inner={ws: [names[i] for i in picked] for ws, names in self.inner.items()},
-            bidirectional=self.bidirectional[rows.cpu()],
             key_alpha=self.key_alpha[:, rows.to(self.key_alpha.device)],
             value_alpha=self.value_alpha[:, rows.to(self.value_alpha.device)],
         )
 
-    def by_attention(self) -> list[tuple[bool, torch.Tensor | None]]:
-        """The rows of each mask of the second prompt pass: `[(bidirectional, rows)]`, `rows` `None` for all."""
-        kinds = self.bidirectional.unique().tolist()
-        if len(kinds) == 1:
-            return [(bool(kinds[0]), None)]
-        return [(kind, (self.bidirectional == kind).nonzero().flatten()) for kind in (True, False)]
-
-    def rows_by(self, setting: Callable[[str], Any]) -> dict[Any, torch.Tensor]:
-        """The rows of each value of an adapter's `setting(name)` (`"__base__"` rows go with the first value)."""
-        values = [None if name == BASE_ADAPTER else setting(name) for name in self.names]
+    def rows_by(self, setting: str) -> dict[Any, torch.Tensor]:
+        """The rows of each value of the adapters' `setting` (a `BituneConfig` field), in order of first row;
+        `"__base__"` rows, which no setting concerns, go with the first."""
+        values = [getattr(self.configs[name], setting) if name != BASE_ADAPTER else None for name in self.names]
         first = next((value for value in values if value is not None), None)
         values = [first if value is None else value for value in values]
         return {value: torch.tensor([i for i, v in enumerate(values) if v == value])
                 for value in dict.fromkeys(values)}
+
+
+def row_adapters(tuner: Any, adapter_names: Any, batch_size: int | None, per_prompt: int = 1) -> RowAdapters | None:
+    """What each row of a call of `tuner` (a `BituneModel`) runs with, checked before any work; `None` for an
+    ordinary call. The names come as an argument or from PEFT's hook (`call_names`). With the adapters disabled every
+    row runs the base model, as in PEFT."""
+    adapter_names = call_names(tuner, adapter_names)
+    if adapter_names is None or tuner._adapters_disabled():
+        return None
+    if batch_size is None:
+        raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+    names = check_adapter_names(adapter_names, batch_size, list(tuner.peft_config), tuner.training, per_prompt)
+    configs = {name: tuner.peft_config[name] for name in dict.fromkeys(names) if name != BASE_ADAPTER}
+    dora = [name for name, config in configs.items() if getattr(config.adapter_config, "use_dora", False)]
+    if dora:
+        raise ValueError(f"`adapter_names` cannot route rows to DoRA adapters ({dora}), as PEFT's LoRA cannot: run "
+                         "each adapter's rows in a call of their own, after `set_adapter`.")
+    routing = RowRouting(tuner._router.index.tuner_layers)
+    mixers = {name: tuner.bitune_mixers[name] for name in configs}
+    num_layers = len(tuner.bitune_mixers[tuner.active_adapter].mixed)
+    device = next(iter(mixers.values())).key_weights.device if mixers else torch.device("cpu")
+    zeros = torch.zeros(num_layers, dtype=torch.float32, device=device)
+    alphas = [mixers[name].coefficients() if name in mixers else (zeros, zeros) for name in names]
+    key_alpha, value_alpha = (torch.stack([a[i].to(device) for a in alphas], dim=1)[:, :, None, None, None]
+                              for i in (0, 1))
+    inner = {name: tuner._inner_names(name) for name in configs}
+    return RowAdapters(
+        names=tuple(names),
+        inner={ws: [inner[n][ws] if n in inner else BASE_ADAPTER for n in names] for ws in (CAUSAL, BIDIRECTIONAL)},
+        key_alpha=key_alpha,
+        value_alpha=value_alpha,
+        mixed=[any(mixer.mixed[layer] for mixer in mixers.values()) for layer in range(num_layers)],
+        configs=configs,
+        routing=routing,
+    )
+
+
+def forward_per_setting(
+    forward: Callable[..., Any], parts: dict[Any, torch.Tensor], rows: RowAdapters, arguments: dict[str, Any],
+    num_items_in_batch: Any,
+) -> Any:
+    """The one fallback of a mixed-adapter forward: adapters that lay a conversation out differently (`multi_turn`)
+    run one `forward` per setting over their rows (`parts`); the logits go back in row order and the losses, each
+    divided by the supervised tokens of the whole batch (`num_items_in_batch`), add up."""
+    logits, loss = None, None
+    for subset in parts.values():
+        output = forward(**{name: value[subset.to(value.device)] if isinstance(value, torch.Tensor) else value
+                            for name, value in arguments.items()},
+                         adapter_names=[rows.names[i] for i in subset], num_items_in_batch=num_items_in_batch)
+        if logits is None:
+            logits = output.logits.new_zeros((len(rows.names), *output.logits.shape[1:]))
+        logits[subset.to(logits.device)] = output.logits
+        loss = output.loss if loss is None else loss + output.loss
+    return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
 def refuse_base_rows_over_bitune_cache(rows: RowAdapters | None, bitune_cache: bool) -> None:

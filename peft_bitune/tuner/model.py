@@ -396,50 +396,6 @@ class BituneModel(BaseTuner):
         with adapter_batches.names_of_call(self, kwargs.get("adapter_names")):
             yield
 
-    def _row_adapters(self, adapter_names: Any, batch_size: int | None, per_prompt: int = 1) -> RowAdapters | None:
-        """What each row of a mixed-adapter call runs with (`adapter_batches.py`), checked; `None` for an ordinary
-        call. The names come as an argument or from PEFT's hook. With the adapters disabled every row runs the base
-        model, as in PEFT."""
-        adapter_names = adapter_batches.call_names(self, adapter_names)
-        if adapter_names is None or self._adapters_disabled():
-            return None
-        if batch_size is None:
-            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
-        names = adapter_batches.check_adapter_names(adapter_names, batch_size, list(self.peft_config), self.training,
-                                                    per_prompt)
-        named = sorted(set(names) - {adapter_batches.BASE_ADAPTER})
-        dora = [name for name in named if getattr(self.peft_config[name].adapter_config, "use_dora", False)]
-        if dora:
-            raise ValueError(f"`adapter_names` cannot route rows to DoRA adapters ({dora}), as PEFT's LoRA cannot: "
-                             "run each adapter's rows in a call of their own, after `set_adapter`.")
-        adapters = {name: (self._inner_names(name), self.peft_config[name], self.bitune_mixers[name])
-                    for name in named}
-        routing = adapter_batches.RowRouting(self._router.index.tuner_layers)
-        return RowAdapters.of(names, adapters, num_layers(self.model), routing)
-
-    def _forward_per_mode(
-        self, rows: RowAdapters, tensors: dict[str, Any], kwargs: dict[str, Any], num_items_in_batch: Any
-    ) -> CausalLMOutputWithPast:
-        """The one fallback of a mixed-adapter forward: adapters that lay out turns differently (`multi_turn`) run one
-        forward per setting over their rows; the logits go back in row order and the losses, each divided by the
-        supervised tokens of the whole batch, add up."""
-        checked = check_training_inputs(tensors["input_ids"], tensors["inputs_embeds"], tensors["attention_mask"],
-                                        tensors["labels"], tensors["prompt_mask"], dict(kwargs), self._position_limit)
-        if checked.labels is not None and num_items_in_batch is None:
-            num_items_in_batch = (checked.labels != IGNORE_INDEX).sum()
-        logits, loss = None, None
-        for subset in rows.rows_by(lambda name: self.peft_config[name].multi_turn).values():
-            def part(value: Any, subset: torch.Tensor = subset) -> Any:
-                return value[subset.to(value.device)] if isinstance(value, torch.Tensor) else value
-
-            output = self.forward(**{k: part(v) for k, v in {**tensors, **kwargs}.items()},
-                                  adapter_names=[rows.names[i] for i in subset], num_items_in_batch=num_items_in_batch)
-            if logits is None:
-                logits = output.logits.new_zeros((len(rows.names), *output.logits.shape[1:]))
-            logits[subset.to(logits.device)] = output.logits
-            loss = output.loss if loss is None else loss + output.loss
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
-
     # ------------------------------------------------------------------ training forward
     def forward(
         self,
@@ -496,7 +452,7 @@ class BituneModel(BaseTuner):
         kwargs[compat.NEW_CACHE_NAME] = cache
         cache = compat.pop_cache(kwargs)  # `cache`, or its old name `past_key_values`
         sequence = input_ids if input_ids is not None else inputs_embeds
-        rows = self._row_adapters(adapter_names, None if sequence is None else sequence.shape[0])
+        rows = adapter_batches.row_adapters(self, adapter_names, None if sequence is None else sequence.shape[0])
         disabled = self._adapters_disabled()
         if fused_lm_head:
             if rows is not None:
@@ -523,17 +479,20 @@ class BituneModel(BaseTuner):
             with nullcontext() if rows is None else rows.routed(CAUSAL):
                 return self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                                   labels=labels, **compat.with_cache(self.model, cache), **kwargs)
-        if rows is not None and len(rows.rows_by(lambda name: self.peft_config[name].multi_turn)) > 1:
-            tensors = dict(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                           labels=labels, prompt_mask=prompt_mask)
-            return self._forward_per_mode(rows, tensors, kwargs, num_items_in_batch)
         inputs = check_training_inputs(
             input_ids, inputs_embeds, attention_mask, labels, prompt_mask, kwargs, self._position_limit
         )
         if fused_lm_head:
             check_rows_to_read(inputs)
-        names = [self.active_adapter] if rows is None else [*set(rows.names) - {adapter_batches.BASE_ADAPTER}]
-        mode = self.peft_config[names[0] if names else self.active_adapter].multi_turn
+        modes = {self.peft_config[self.active_adapter].multi_turn: None} if rows is None else rows.rows_by(
+            "multi_turn")
+        if len(modes) > 1:  # adapters that lay a conversation out differently: one forward each
+            if labels is not None and num_items_in_batch is None:
+                num_items_in_batch = (inputs.labels != IGNORE_INDEX).sum()
+            arguments = dict(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                             labels=labels, prompt_mask=prompt_mask, **kwargs)
+            return adapter_batches.forward_per_setting(self.forward, modes, rows, arguments, num_items_in_batch)
+        mode = next(iter(modes)) or self.peft_config[self.active_adapter].multi_turn  # `None`: only "__base__" rows
         if rows is not None and rows.has_base_rows:
             inputs = adapter_batches.base_rows_read_once(inputs, rows)
         sequence = inputs.sequence
@@ -580,7 +539,7 @@ class BituneModel(BaseTuner):
                 in one batch (`adapter_batches.py`). Evaluation mode only.
         """
         check_token_ids(input_ids)
-        rows = self._row_adapters(adapter_names, input_ids.shape[0])
+        rows = adapter_batches.row_adapters(self, adapter_names, input_ids.shape[0])
         prompts = self._checked_prompts(input_ids, attention_mask, cache, rows=rows)
         with generation.checkpointing_off(self._router.index.checkpoint_layers):
             if cache is None:
@@ -634,7 +593,8 @@ class BituneModel(BaseTuner):
         check_token_ids(input_ids)
         # transformers' own resolution and checks of the generation arguments, before the prompt passes run.
         generation_config = generation.checked_generation_config(self.model, kwargs)
-        rows = self._row_adapters(adapter_names, input_ids.shape[0], generation_config.num_return_sequences or 1)
+        rows = adapter_batches.row_adapters(self, adapter_names, input_ids.shape[0],
+                                            generation_config.num_return_sequences or 1)
         attention_mask = kwargs.get("attention_mask")
         if attention_mask is None:
             attention_mask = compat.inferred_attention_mask(self.model, input_ids, generation_config)

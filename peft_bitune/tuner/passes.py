@@ -195,22 +195,23 @@ class BitunePasses:
         cache that stops the pass after its last layer's keys/values ends it there, see `prompt_pass_end.py`).
         Returns the decoder's output, or `None` for a pass that ended there. The second pass of a batch whose rows'
         adapters read it with different masks runs once per mask, over those rows (`None` is returned)."""
-        if weight_set == CAUSAL:
-            kinds = [(False, None)]
-        elif self.rows is None:
-            kinds = [(self.second_pass_attention != CAUSAL, None)]
-        else:
-            kinds = self.rows.by_attention()
-        if len(kinds) > 1:
-            parts = [(rows, pass_cache_rows(cache, rows)) for _, rows in kinds]
-            for (bidirectional, _), (rows, part) in zip(kinds, parts):
-                part_passes = replace(self, rows=self.rows.select(rows))
-                part_passes._decoder_pass(weight_set, part, not bidirectional, {k: v[rows] for k, v in inputs.items()})
-            merge_recorded_rows(cache, parts)
-            return None
-        return self._decoder_pass(weight_set, cache, not kinds[0][0], inputs)
+        if weight_set == CAUSAL or self.rows is None:
+            return self._decoder_pass(weight_set, cache, self.second_pass_attention, inputs)
+        kinds = self.rows.rows_by("second_pass_attention")
+        if len(kinds) == 1:
+            return self._decoder_pass(weight_set, cache, next(iter(kinds)), inputs)
+        parts = [(rows, pass_cache_rows(cache, rows)) for rows in kinds.values()]
+        for attention, (rows, part) in zip(kinds, parts):
+            part_passes = replace(self, rows=self.rows.select(rows))
+            part_passes._decoder_pass(weight_set, part, attention, {k: v[rows] for k, v in inputs.items()})
+        merge_recorded_rows(cache, parts)
+        return None
 
-    def _decoder_pass(self, weight_set: WeightSet, cache: Cache, is_causal: bool, inputs: dict[str, Any]) -> Any:
+    def _decoder_pass(
+        self, weight_set: WeightSet, cache: Cache, attention: SecondPassAttention | None, inputs: dict[str, Any]
+    ) -> Any:
+        """The decoder over `inputs` with weight set `weight_set`; the bidirectional weights read with `attention`."""
+        is_causal = weight_set == CAUSAL or attention == CAUSAL
         decoder = decoder_of(self.model)
         output = None
         with self.routed(weight_set), ending_at_complete_record():
