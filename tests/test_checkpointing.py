@@ -8,8 +8,11 @@ to float32 summation order (1e-6 on gradients of order 0.1-1), as torch's own ch
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
 from peft_bitune import compat
@@ -54,6 +57,23 @@ def assert_same_step(got, expected) -> None:
     for name, grad in grads.items():
         if grad is not None:
             torch.testing.assert_close(grad, expected_grads[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(("layers", "multi_head"), [(2, False), (2, True), (3, False)])
+def test_a_checkpointed_step_draws_the_dropout_masks_of_the_plain_step(layers, multi_head):
+    """With dropout in both weight sets, from one seed: the same masks, so the same loss and gradients, and the random
+    generator left where the plain step leaves it (the next step draws the same masks too). The plain step ends each
+    prompt pass at its last layer's keys/values; the checkpointed step's prompt passes draw exactly what those draw,
+    and every recomputation replays the state its layer first drew from."""
+    adapter_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                                lora_dropout=0.2)
+    base = lambda: tiny_llama(layers, multi_head)  # noqa: E731
+    plain = bitune_step(False, base, adapter_config)
+    checkpointed = bitune_step(True, base, adapter_config)
+    assert_same_step(checkpointed, plain)
+    assert torch.equal(checkpointed[2], plain[2])
+    # Another seed draws other masks: the dropout is in the step.
+    assert not torch.allclose(bitune_step(True, base, adapter_config, seed=2)[0], checkpointed[0])
 
 
 @pytest.mark.parametrize("multi_head", [False, True])
@@ -106,3 +126,34 @@ def test_a_second_backward_under_checkpointing_equals_the_plain_steps(how):
         assert (got is None) == (want is None)
         if got is not None:
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def count_calls(function_owner, name: str) -> list[int]:
+    """Count the calls of `function_owner.<name>` (replaced on the instance, a `functools.partial` by a partial with
+    the same keywords; no hook, which would keep the prompt passes from ending early)."""
+    calls = [0]
+    function = getattr(function_owner, name)
+    keywords = getattr(function, "keywords", None)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return function(*args, **kwargs)
+
+    setattr(function_owner, name, counted if keywords is None else functools.partial(counted, **keywords))
+    return calls
+
+
+def test_a_checkpointed_steps_prompt_passes_end_where_the_plain_steps_do():
+    """Each prompt pass ends at its last layer's keys/values, as without checkpointing: the last layer's MLP runs in
+    the answer pass alone. No prompt-pass layer runs inside torch's checkpoint (only the answer pass's layers do):
+    leaving a checkpointed layer by an exception would leave its recomputation state to the garbage collector."""
+    model = make_bitune(tiny_llama(2))
+    compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
+    layers = model.base_model.model.model.layers
+    mlp_calls = count_calls(layers[-1].mlp, "forward")
+    checkpoints = [count_calls(layer, "_gradient_checkpointing_func") for layer in layers]
+    model.train()
+    loss = model(**padded_batch("right", VOCAB)[1]).loss
+    assert mlp_calls[0] == 1
+    assert [calls[0] for calls in checkpoints] == [1] * len(layers)
+    loss.backward()

@@ -373,43 +373,6 @@ def test_checkpointing_recomputes_the_prompt_keys_values_exactly(load_base, arch
         torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("heads", ["grouped_query", "multi_head"])
-def test_checkpointing_draws_the_prompt_passes_dropout_masks_once(load_base, heads):
-    """With dropout in the weight sets, a checkpointed step recomputes each prompt-pass layer from the random state it
-    first ran with, so its keys, values and gradients are those of the dropout masks the pass drew: from one seed, the
-    loss and gradients equal those of a checkpointed step that records the keys/values instead (as Bitune does
-    without checkpointing; a step without checkpointing may end a prompt pass early, drawing fewer masks)."""
-    from dataclasses import replace
-
-    from peft import LoraConfig
-
-    adapter_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
-                                lora_dropout=0.5)
-    base = (lambda: load_base("llama")) if heads == "grouped_query" else (lambda: multi_head_base("llama"))
-    _, batch, _ = make_batch("right")
-    steps = []
-    for recompute in (False, True):
-        model = make_bitune(base(), adapter_config)
-        compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
-        tuner = model.base_model
-        passes = type(tuner)._passes
-        model.train()
-        assert passes(tuner).recompute_prompt
-        tuner._passes = lambda tuner=tuner, recompute=recompute: replace(passes(tuner), recompute_prompt=recompute)
-        torch.manual_seed(1)
-        loss = model(**batch).loss
-        loss.backward()
-        steps.append((loss, trainable_grads(model)))
-    (loss, expected), (checkpointed_loss, got) = steps
-    torch.testing.assert_close(checkpointed_loss, loss)
-    assert got.keys() == expected.keys()
-    for name in got:
-        torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=0, msg=name)
-    torch.manual_seed(2)  # another draw gives another loss: the dropout is in the step
-    model.zero_grad()
-    assert not torch.allclose(model(**batch).loss, checkpointed_loss)
-
-
 def test_a_checkpointed_step_runs_under_a_module_tracker(load_base):
     """`FlopCounterMode` (and torch's other module trackers) put multi-grad hooks on every module's inputs; the
     prompt passes' layers, differentiated inside the answer pass's backward, run under them with the same gradients."""
@@ -524,18 +487,6 @@ def test_output_capturing_hooks_do_not_keep_prompt_passes_running(load_base):
     last_mlp_calls = _count_calls(model.base_model.model.model.layers[-1].mlp)
     model(**make_batch("right")[1])
     assert last_mlp_calls[0] == 1
-
-
-def test_prompt_passes_run_to_the_end_under_gradient_checkpointing(load_base):
-    # Leaving a checkpointed layer by an exception would leave its recomputation state to the garbage collector.
-    model = make_bitune(load_base("llama"))
-    compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
-    last_mlp_calls = _count_calls(model.base_model.model.model.layers[-1].mlp)
-    model.train()
-    _, batch, _ = make_batch("right")
-    loss = model(**batch).loss
-    assert last_mlp_calls[0] == 3  # all three passes ran the last layer to its end
-    loss.backward()
 
 
 def test_forward_hooks_see_every_pass_run_to_its_end(load_base):
