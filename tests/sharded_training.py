@@ -42,11 +42,13 @@ def build_base(multi_head: bool = False) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def build_model(gradient_checkpointing: bool = False, multi_head: bool = False):
-    """The same tiny Bitune model (LoRA r=4 on every linear layer, both weight sets) in every process."""
+def build_model(gradient_checkpointing: bool = False, multi_head: bool = False, mixed_layers: list[int] | None = None):
+    """The same tiny Bitune model (LoRA r=4 on every linear layer, both weight sets; the mixer mixes `mixed_layers`,
+    every layer by default) in every process."""
     model = get_peft_model(
         build_base(multi_head),
-        peft_bitune.BituneConfig(adapter_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")),
+        peft_bitune.BituneConfig(adapter_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+                                 mixed_layers=mixed_layers),
     )
     if gradient_checkpointing:
         compat.enable_checkpointing(model, use_reentrant=False)
@@ -98,9 +100,11 @@ def train(model, rows: slice, in_place_on_logits: bool = False, fused_head: bool
         optimizer.zero_grad()
 
 
-def reference_training(multi_head: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The same steps in one process; returns the trainable weights before and after."""
-    model = build_model(multi_head=multi_head)
+def reference_training(
+    multi_head: bool = False, mixed_layers: list[int] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The same steps in one process (not checkpointed); returns the trainable weights before and after."""
+    model = build_model(multi_head=multi_head, mixed_layers=mixed_layers)
     before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
     for ids, mask, labels in batches():
@@ -227,7 +231,8 @@ def run_case(case: dict, output_dir: Path) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    model = build_model(case.get("gradient_checkpointing", False), case.get("multi_head", False))
+    model = build_model(case.get("gradient_checkpointing", False), case.get("multi_head", False),
+                        case.get("mixed_layers"))
     names = trainable_names(model)
     sharded = SHARDINGS[case["sharding"]](model)
     # Whether a prompt pass may end at the last layer's keys/values, as seen under this sharding.

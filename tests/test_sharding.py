@@ -41,6 +41,10 @@ CASES = [
      "multi_head": True},
     {"name": "fsdp2_fused_head_checkpointing_multi_head", "sharding": "fsdp2", "fused_head": True,
      "gradient_checkpointing": True, "multi_head": True},
+    # Mixing only the upper layer: the bidirectional pass's lower layer is read by no answer layer, only carried
+    # through, and its backward must still run inside that layer's FSDP2 gathering.
+    {"name": "fsdp2_checkpointing_multi_head_mixing_layer_1", "sharding": "fsdp2", "gradient_checkpointing": True,
+     "multi_head": True, "mixed_layers": [1]},
 ]
 
 
@@ -105,9 +109,17 @@ def test_sharded_training_matches_one_process(sharded_runs, reference, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["fsdp2_checkpointing_multi_head", "fsdp2_fused_head_checkpointing_multi_head"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "fsdp2_checkpointing_multi_head", "fsdp2_fused_head_checkpointing_multi_head",
+        "fsdp2_checkpointing_multi_head_mixing_layer_1",
+    ],
+)
 def test_sharded_training_recomputing_the_prompt_keys_values_matches_one_process(sharded_runs, case):
-    check_against_reference(sharded_runs[case], sharded_training.reference_training(multi_head=True), case)
+    settings = next(settings for settings in CASES if settings["name"] == case)
+    reference = sharded_training.reference_training(multi_head=True, mixed_layers=settings.get("mixed_layers"))
+    check_against_reference(sharded_runs[case], reference, case)
 
 
 def check_against_reference(outcome: dict, reference, case: str) -> None:
