@@ -360,3 +360,21 @@ def test_against_revision_compares_each_cell_by_its_bitune_over_lora_ratios(caps
     with pytest.raises(SystemExit):
         against_revision.main(["--revision", "no-such-revision", "--", "--quick"])
     assert "is not a commit of this repository" in capsys.readouterr().err
+
+
+def test_mixed_adapters_times_one_batch_against_the_split_and_writes_its_report(tmp_path):
+    spec = importlib.util.spec_from_file_location("mixed_adapters", BENCHMARKS / "mixed_adapters.py")
+    mixed_adapters = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec.loader.exec_module(mixed_adapters)
+        out = tmp_path / "mixed.json"
+        report = mixed_adapters.main(["--model", "tiny", "--rounds", "1", "--new-tokens", "2", "--json", str(out)])
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert json.loads(out.read_text()) == report
+    assert [(cell["batch_size"], cell["prompt_length"]) for cell in report["cells"]] == mixed_adapters.CELLS
+    for cell in report["cells"]:
+        ratio = cell["one_batch_over_split"]
+        assert positive_finite(ratio["ratio"])
+        assert ratio["ratio"] == pytest.approx(ratio["numerator_s"] / ratio["denominator_s"])
