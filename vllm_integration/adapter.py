@@ -80,8 +80,8 @@ def check_inner_method(config: dict) -> None:
     method = inner.get("peft_type", "LORA")
     if method != "LORA":
         raise ValueError(
-            f"This Bitune adapter's weight sets are {method}; the vLLM plugin computes LoRA weight sets only. Serve it "
-            "with `bitune-serve` (peft_bitune.serving), or train the adapter with LoRA."
+            f"This Bitune adapter's weight sets are {method}; the vLLM plugin computes LoRA weight sets only. Serve "
+            "it with `bitune-serve` (peft_bitune.serving), or train the adapter with LoRA."
         )
     options = {
         "use_dora": "DoRA (`use_dora=True`)",

@@ -107,7 +107,8 @@ def check_engine_config(vllm_config: Any) -> None:
             "resumes a preempted request by reading its answer as prompt, which Bitune would mix."
         )
     if vllm_config.speculative_config is not None:
-        raise ValueError(f"Speculative decoding cannot be used with a Bitune adapter: {_REFUSED['speculative_config']}.")
+        why = _REFUSED["speculative_config"]
+        raise ValueError(f"Speculative decoding cannot be used with a Bitune adapter: {why}.")
     budget = vllm_config.scheduler_config.max_num_batched_tokens
     max_model_len = vllm_config.model_config.max_model_len
     if budget < max_model_len:

@@ -1,5 +1,5 @@
-"""vLLM's OpenAI-compatible server (`vllm serve`) with the documented options serves a Bitune adapter on the miniature: one chat completion gives the
-tokens the project's `generate` gives for the same chat-templated prompt."""
+"""vLLM's OpenAI-compatible server (`vllm serve`) with the documented options serves a Bitune adapter on the
+miniature: one chat completion gives the tokens the project's `generate` gives for the same chat-templated prompt."""
 
 from __future__ import annotations
 
