@@ -114,7 +114,7 @@ def test_a_request_larger_than_the_token_budget_is_answered_alone(serving_adapte
     smallest = ChatEngine(small.model, serving_tokenizer, serving_template, 0, tiny)
     results, batches = answer_together(smallest, [large, large])
     assert batches == [1, 1] and all(r.finish_reason for r in results)
-    with pytest.raises(ValueError, match="`max_batch_size` must be an integer of at least 1, got 0"):
+    with pytest.raises(ValueError, match="`max_batch_size` must be at least 1, got 0"):
         BatchLimits(max_batch_size=0)
 
 

@@ -96,10 +96,10 @@ def test_a_chat_template_without_generation_markers_is_refused_at_startup(servin
 def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
     required = ["--model", BASE, "--adapter", "x"]
     monkeypatch.setenv(cli.API_KEY_VARIABLE, "from-env")
-    assert cli.parse_args(required).api_key == ["from-env"]
-    assert cli.parse_args([*required, "--api-key", "a", "--api-key", "b"]).api_key == ["a", "b"]
+    assert cli.parse_args(required).settings.api_keys == ("from-env",)
+    assert cli.parse_args([*required, "--api-key", "a", "--api-key", "b"]).settings.api_keys == ("a", "b")
     monkeypatch.delenv(cli.API_KEY_VARIABLE)
-    assert cli.parse_args(required).api_key == []
+    assert cli.parse_args(required).settings.api_keys == ()
 
 
 @pytest.mark.slow  # a fresh Python process imports torch, transformers and FastAPI: about half a minute on 2 cores
@@ -134,7 +134,7 @@ def parse_refusal(arguments: list[str]) -> str:
 
 
 def test_batch_limits_below_one_are_refused_before_any_work():
-    assert cli.parse_args(["--model", BASE, "--adapter", "x"]).max_batch_size == 8  # the measured default
+    assert cli.parse_args(["--model", BASE, "--adapter", "x"]).limits.max_batch_size == 8  # the measured default
     for flag in ("--max-batch-size", "--max-batch-tokens"):
         assert f"{flag} must be at least 1, got 0." in parse_refusal([flag, "0"])
 
@@ -154,7 +154,8 @@ def test_an_api_key_that_is_not_printable_ascii_is_refused_at_startup(key, monke
     assert "--api-key" in parse_refusal(["--api-key", key])
     monkeypatch.setenv(cli.API_KEY_VARIABLE, key)
     assert cli.API_KEY_VARIABLE in parse_refusal([])
-    assert cli.parse_args(["--model", BASE, "--adapter", "x", "--api-key", "sk-Abc_123~!"]).api_key == ["sk-Abc_123~!"]
+    command = cli.parse_args(["--model", BASE, "--adapter", "x", "--api-key", "sk-Abc_123~!"])
+    assert command.settings.api_keys == ("sk-Abc_123~!",)
 
 
 def test_a_reduced_precision_server_that_batches_says_that_batching_may_change_answers():

@@ -14,91 +14,87 @@ the port, the adapter's config, the chat template), and refused with one line th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import math
 import os
+import re
 import socket
 import sys
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from transformers import HfArgumentParser
 
 from ..constants import is_bitune_type, peft_type_name
 from ..utils.command_line_numbers import number_problem
-from .settings import (
-    DEFAULT_MAX_BATCH_SIZE,
-    DEFAULT_MAX_BATCH_TOKENS,
-    DEFAULT_MAX_REQUEST_BYTES,
-    BatchLimits,
-    ServerSettings,
-    api_key_problem,
-)
+from .settings import BatchLimits, ServerSettings
 
 DEFAULT_CACHE_MEMORY_MB = 1024
 API_KEY_VARIABLE = "BITUNE_SERVE_API_KEY"
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bitune-serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="The base model: a folder or a Hub id.")
-    parser.add_argument("--adapter", required=True, help="The Bitune adapter: a folder or a Hub id.")
-    parser.add_argument(
-        "--chat-template",
-        default=None,
-        help="A file with a Jinja chat template, for a tokenizer that has none (or to replace its own).",
-    )
-    parser.add_argument("--served-model-name", default=None,
-                        help="The model name clients send in `model` (default: the --adapter value).")
-    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: this machine only).")
-    parser.add_argument("--port", type=int, default=8000, help="Port to listen on; 0 picks a free one.")
-    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                        help=f"Require `Authorization: Bearer KEY` on every /v1 call; give it again for more keys "
-                        f"(each keeps its own conversations). Default: the {API_KEY_VARIABLE} environment variable.")
-    parser.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
-                        help="Web origins (e.g. https://app.example.com) allowed to call the server from a browser "
-                        "(CORS). Default: none.")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help="The largest request body accepted (default: 4 MiB); larger ones get 413 unread.")
-    parser.add_argument("--docs", action="store_true", help="Serve the interactive API docs at /docs.")
-    parser.add_argument("--cache-memory-mb", type=float, default=DEFAULT_CACHE_MEMORY_MB,
-                        help="Memory for kept conversation caches, least recently used dropped first; 0 keeps none.")
-    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
-                        help=f"The most requests answered together: requests that arrive while the model is busy are "
-                        f"answered in one batch next (default: {DEFAULT_MAX_BATCH_SIZE}; 1: one at a time).")
-    parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
-                        help="The most tokens a batch's padded cache may grow to: its rows times (its longest prompt "
-                        "plus the most tokens any of its answers may take); a larger request is answered alone "
-                        f"(default: {DEFAULT_MAX_BATCH_TOKENS}).")
-    parser.add_argument("--device", default="cpu", help="torch device for the model, e.g. cpu, cuda, cuda:1.")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="Model dtype ('auto': as saved).")
-    parser.add_argument("--log-level", default="warning", help="uvicorn log level.")
-    args = parser.parse_args(argv)
-    check_numbers(args)
-    if args.chat_template is not None and not os.path.isfile(args.chat_template):
-        parser.error(f"--chat-template {args.chat_template!r} is not a file.")
-    if args.api_key is None:
-        args.api_key = [os.environ[API_KEY_VARIABLE]] if os.environ.get(API_KEY_VARIABLE) else []
-    for key in args.api_key:
-        if problem := api_key_problem(key):
-            raise fail(f"--api-key (or {API_KEY_VARIABLE}): {problem}")
-    return args
+@dataclass
+class ServeArguments:
+    """What to serve, where, and on what; with `ServerSettings` and `BatchLimits`, the options of `bitune-serve`."""
+
+    model: str = field(metadata={"help": "The base model: a folder or a Hub id."})
+    adapter: str = field(metadata={"help": "The Bitune adapter: a folder or a Hub id."})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "A file with a Jinja chat template, for a tokenizer that has none (or to replace its own)."})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "The model name clients send in `model` (default: the --adapter value)."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on (default: this machine only)."})
+    port: int = field(default=8000, metadata={"help": "Port to listen on; 0 picks a free one."})
+    cache_memory_mb: float = field(default=DEFAULT_CACHE_MEMORY_MB, metadata={
+        "help": "Memory for kept conversation caches, least recently used dropped first; 0 keeps none."})
+    device: str = field(default="cpu", metadata={"help": "torch device for the model, e.g. cpu, cuda, cuda:1."})
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata={
+        "help": "Model dtype ('auto': as saved)."})
+    log_level: str = field(default="warning", metadata={"help": "uvicorn log level."})
+
+    def __post_init__(self) -> None:
+        for name in ("port", "cache_memory_mb"):
+            if problem := number_problem(getattr(self, name)):
+                raise ValueError(f"`{name}` {problem}.")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"`port` must be between 0 and 65535, got {self.port}.")
+        if self.cache_memory_mb < 0 or not math.isfinite(self.cache_memory_mb * 2**20):
+            raise ValueError(f"`cache_memory_mb` must be 0 or more (and a number of megabytes a float can hold in "
+                             f"bytes), got {self.cache_memory_mb}.")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"`chat_template` {self.chat_template!r} is not a file.")
 
 
-def check_numbers(args: argparse.Namespace) -> None:
-    """Refuse a numeric flag that parsed but cannot be used (nan, inf, an overflow) or is out of its range, with one
-    line."""
-    for flag in ("port", "max_request_bytes", "cache_memory_mb", "max_batch_size", "max_batch_tokens"):
-        if problem := number_problem(getattr(args, flag)):
-            raise fail(f"--{flag.replace('_', '-')} {problem}.")
-    if not 0 <= args.port <= 65535:
-        raise fail(f"--port must be between 0 and 65535, got {args.port}.")
-    if args.cache_memory_mb < 0 or not math.isfinite(args.cache_memory_mb * 2**20):
-        raise fail(f"--cache-memory-mb must be 0 or more (and a number of megabytes a float can hold in bytes), got "
-                   f"{args.cache_memory_mb}.")
-    for flag in ("max_request_bytes", "max_batch_size", "max_batch_tokens"):
-        if getattr(args, flag) < 1:
-            raise fail(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}.")
+class Command(NamedTuple):
+    """`bitune-serve`'s options, parsed and checked."""
+
+    arguments: ServeArguments
+    settings: ServerSettings
+    limits: BatchLimits
+
+
+OPTIONS = (ServeArguments, ServerSettings, BatchLimits)
+# The flag of each option, for messages that name its field (`max_batch_size` -> --max-batch-size).
+FLAGS = {f.name: f"--{f.name.replace('_', '-')}" for options in OPTIONS for f in dataclasses.fields(options)}
+FLAGS["api_keys"] = f"--api-key (or {API_KEY_VARIABLE})"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Command:
+    """The options, parsed by transformers' `HfArgumentParser` from the dataclasses' fields, each checked by its
+    dataclass as it is made (an API key from the environment too); anything wrong exits with one line."""
+    parser = HfArgumentParser(OPTIONS, prog="bitune-serve", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    try:
+        arguments, settings, limits, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+        if unknown:
+            raise fail(f"unrecognized arguments: {' '.join(unknown)} (see `bitune-serve --help`).")
+        if not settings.api_keys and os.environ.get(API_KEY_VARIABLE):
+            settings = dataclasses.replace(settings, api_keys=[os.environ[API_KEY_VARIABLE]])
+    except ValueError as error:  # the dataclasses name an option by its field, the command by its flag
+        raise fail(re.sub(r"`(\w+)`", lambda name: FLAGS.get(name[1], name[0]), str(error))) from None
+    return Command(arguments, settings, limits)
 
 
 def fail(message: str) -> SystemExit:
@@ -126,9 +122,10 @@ def check_device(name: str) -> None:
         raise fail(f"--device {name}, but MPS is not available here. Use --device cpu.")
 
 
-def load_engine(args: argparse.Namespace) -> Any:
+def load_engine(command: Command) -> Any:
     """The tokenizer, adapter config and chat template first (all checked before any weights are read), then the
     model and adapter."""
+    args = command.arguments
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -172,8 +169,7 @@ def load_engine(args: argparse.Namespace) -> Any:
             hint = " If the file is truncated or corrupt, save (or download) the adapter again."
         message = f"cannot load the adapter weights of {args.adapter!r}: {type(error).__name__}: {detail}{hint}"
         raise fail(message) from None
-    limits = BatchLimits(args.max_batch_size, args.max_batch_tokens)
-    return ChatEngine(model.eval(), tokenizer, chat_template, int(args.cache_memory_mb * 2**20), limits)
+    return ChatEngine(model.eval(), tokenizer, chat_template, int(args.cache_memory_mb * 2**20), command.limits)
 
 
 def read_adapter_config(adapter: str) -> Any:
@@ -274,7 +270,8 @@ def is_loopback(host: str) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
+    command = parse_args(argv)
+    args, settings = command.arguments, command.settings
     try:
         from .app import build_app
         from .server import serve, url_of
@@ -283,17 +280,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     check_device(args.device)
     sock = bind_or_fail(args.host, args.port)  # before the model loads: a port in use is known in a second
     try:
-        engine = load_engine(args)
+        engine = load_engine(command)
     except BaseException:
         sock.close()
         raise
-    if note := precision_note(str(engine.model.dtype).removeprefix("torch."), args.max_batch_size):
+    if note := precision_note(str(engine.model.dtype).removeprefix("torch."), command.limits.max_batch_size):
         print(note, file=sys.stderr, flush=True)
-    if not args.api_key and not is_loopback(args.host):
+    if not settings.api_keys and not is_loopback(args.host):
         print(f"bitune-serve: warning: listening on {args.host} without --api-key: anyone who can reach this port can "
               "use the model. Set --api-key (or BITUNE_SERVE_API_KEY).", file=sys.stderr, flush=True)
-    settings = ServerSettings(api_keys=tuple(args.api_key), allowed_origins=tuple(args.allowed_origins),
-                              docs=args.docs, max_request_bytes=args.max_request_bytes)
     name = args.served_model_name or args.adapter
     print(f"bitune-serve: serving {name} on {url_of(sock)}", flush=True)
     serve(build_app(engine, name, settings), sock, args.log_level)

@@ -1,12 +1,17 @@
 """How `bitune-serve` guards itself (`ServerSettings`: API keys, allowed origins, the API docs page, the largest
-request body) and how it batches (`BatchLimits`). Plain data, so that the command can check and build them without the
-`serve` extra."""
+request body) and how it batches (`BatchLimits`). Plain data, checked when made, so that the command can parse them
+(transformers' `HfArgumentParser` makes their flags from the fields) and check them without the `serve` extra."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..utils.command_line_numbers import number_problem
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+DEFAULT_MAX_BATCH_SIZE = 8
+DEFAULT_MAX_BATCH_TOKENS = 65536
 
 
 def api_key_problem(key: str) -> str | None:
@@ -25,54 +30,58 @@ def api_key_problem(key: str) -> str | None:
     return None
 
 
+def check_count(name: str, value: Any) -> None:
+    """Refuse a count (bytes, requests, tokens) that is not a whole number from 1 up that fits in 64 bits."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"`{name}` must be a whole number, got {value!r}.")
+    if problem := number_problem(value):
+        raise ValueError(f"`{name}` {problem}.")
+    if value < 1:
+        raise ValueError(f"`{name}` must be at least 1, got {value}.")
+
+
 @dataclass(frozen=True)
 class ServerSettings:
-    """
-    How the server guards itself.
+    """How the server guards itself: API keys on every `/v1` call (each key also keeps its own conversations; none:
+    open, for a server only this machine can reach), the web origins allowed to call it from a browser (CORS; none by
+    default, so browsers refuse cross-site calls that read the answers), the API docs page, the largest body."""
 
-    Args:
-        api_keys (`tuple[str, ...]`): every `/v1` call needs `Authorization: Bearer <one of them>`; none: open (for a
-            server that only this machine can reach). Each key also keeps its own conversations.
-        allowed_origins (`tuple[str, ...]`): web origins allowed to call the server from a browser (CORS); none by
-            default, so browsers refuse cross-site calls that read the answers.
-        docs (`bool`): serve the interactive API documentation at `/docs` (and the schema at `/openapi.json`).
-        max_request_bytes (`int`): the largest request body; a larger one is refused before it is read on.
-    """
-
-    api_keys: tuple[str, ...] = ()
-    allowed_origins: tuple[str, ...] = ()
-    docs: bool = False
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # Lists for the parser (a repeated `--api-key` appends a list); kept as tuples.
+    api_keys: list[str] = field(default_factory=list, metadata={
+        "aliases": ["--api-key"], "action": "append", "metavar": "KEY",
+        "help": "Require `Authorization: Bearer KEY` on every /v1 call; give it again for more keys (each keeps its "
+        "own conversations). Default: the BITUNE_SERVE_API_KEY environment variable."})
+    allowed_origins: list[str] = field(default_factory=list, metadata={
+        "metavar": "ORIGIN", "help": "Web origins (e.g. https://app.example.com) allowed to call the server from a "
+        "browser (CORS). Default: none."})
+    docs: bool = field(default=False, metadata={"help": "Serve the interactive API docs at /docs."})
+    max_request_bytes: int = field(default=DEFAULT_MAX_REQUEST_BYTES, metadata={
+        "help": "The largest request body accepted (default: 4 MiB); larger ones get 413 unread."})
 
     def __post_init__(self) -> None:
+        # The parser's appended groups (`--api-key a b --api-key c`) flattened; a key given alone is one key.
+        keys = [key for group in self.api_keys for key in ([group] if isinstance(group, str) else group)]
+        object.__setattr__(self, "api_keys", tuple(keys))
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         for key in self.api_keys:
             if problem := api_key_problem(key):
-                raise ValueError(problem)
-        if self.max_request_bytes < 1:
-            raise ValueError(f"`max_request_bytes` must be at least 1, got {self.max_request_bytes}.")
-
-
-DEFAULT_MAX_BATCH_SIZE = 8
-DEFAULT_MAX_BATCH_TOKENS = 65536
+                raise ValueError(f"`api_keys`: {problem}")
+        check_count("max_request_bytes", self.max_request_bytes)
 
 
 @dataclass(frozen=True)
 class BatchLimits:
-    """
-    How many waiting requests the model worker answers together.
+    """How many waiting requests the model worker answers together. `max_batch_tokens` bounds the memory of a batch;
+    a request larger than it on its own is answered alone, never refused for its size."""
 
-    Args:
-        max_batch_size (`int`): the most requests in one batch; 1 answers them one at a time.
-        max_batch_tokens (`int`): the most tokens a batch's padded cache may grow to: its rows times (its longest
-            prompt plus the most tokens any of its answers may take). It bounds the memory of a batch. A request larger
-            than this on its own is answered alone, never refused for its size.
-    """
-
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_batch_size: int = field(default=DEFAULT_MAX_BATCH_SIZE, metadata={
+        "help": f"The most requests answered together: requests that arrive while the model is busy are answered in "
+        f"one batch next (default: {DEFAULT_MAX_BATCH_SIZE}; 1: one at a time)."})
+    max_batch_tokens: int = field(default=DEFAULT_MAX_BATCH_TOKENS, metadata={
+        "help": "The most tokens a batch's padded cache may grow to: its rows times (its longest prompt plus the most "
+        f"tokens any of its answers may take); a larger request is answered alone (default: "
+        f"{DEFAULT_MAX_BATCH_TOKENS})."})
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_batch_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be an integer of at least 1, got {value!r}.")
+        check_count("max_batch_size", self.max_batch_size)
+        check_count("max_batch_tokens", self.max_batch_tokens)
