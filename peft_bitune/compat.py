@@ -232,6 +232,12 @@ def routed_adapters(layer: BaseTunerLayer) -> list[str]:
     return layer._active_adapter
 
 
+def routes_rows(layer: BaseTunerLayer) -> bool:
+    """Whether a tuner layer runs each row with its own adapter when its forward is handed `adapter_names` (PEFT's
+    mixed batches: LoRA's `_mixed_batch_forward`, which refuses DoRA adapters)."""
+    return hasattr(layer, "_mixed_batch_forward") and not any(getattr(layer, "use_dora", {}).values())
+
+
 def add_peft_type(name: str) -> PeftType:
     """
     Add `name` to PEFT's `PeftType` enum (a `str` enum), the way the enum machinery builds its own members.

@@ -43,6 +43,24 @@ def test_peft_tuner_layers_route_to_the_adapters_in__active_adapter(load_base):
     assert compat.routed_adapters(layer) == [bidirectional]
 
 
+def test_peft_lora_layers_run_each_row_with_the_adapter_named_in_adapter_names(load_base):
+    model = make_bitune(load_base("llama"))
+    layer = first_tuner_layer(model)
+    causal, bidirectional = (inner_adapter_name("default", kind) for kind in ("causal", "bidirectional"))
+    x = torch.randn(3, 2, layer.in_features)
+    with torch.no_grad():
+        mixed = layer(x, adapter_names=[bidirectional, "__base__", causal])
+        expected = []
+        for row, names in enumerate(([bidirectional], [], [causal])):
+            compat.route_layers([layer], names)
+            expected.append(layer(x[row : row + 1]))
+    assert compat.routes_rows(layer), UPGRADE.format(
+        library="PEFT", does="give LoRA layers `_mixed_batch_forward`", function="routes_rows")
+    torch.testing.assert_close(mixed, torch.cat(expected), atol=1e-6, rtol=0, msg=UPGRADE.format(
+        library="PEFT", does="run each row of a LoRA layer with the adapter `adapter_names` names for it",
+        function="routes_rows"))
+
+
 def test_peft_type_enum_takes_a_new_member():
     member = compat.add_peft_type(BITUNE_TYPE_NAME)
     found = (PeftType[BITUNE_TYPE_NAME] is member, PeftType(BITUNE_TYPE_NAME) is member, member in list(PeftType))
