@@ -10,10 +10,10 @@ adapter. They would train it against the wrong reference, without a word:
 - given a fresh adapter (`peft_config`), the reference is the model with its adapters disabled: for LoRA that is the
   starting policy (B = 0), for Bitune it is not (the bidirectional read of the base weights is mixed in at alpha_0).
 
-Each subclass therefore makes the "ref" adapter an exact copy of the policy's adapter (its config, and every tensor
-with its dtype; checked against the adapters' configs and state dicts: TRL adds "ref" from the config of the adapter
-named "default", which another active adapter need not share) before the first reference log-probability is
-computed; TRL's own code then uses it for every reference forward (`trl.trainer.utils.use_adapter`), frozen.
+Each subclass therefore makes the "ref" adapter an exact copy of the policy's adapter (the policy's config, where TRL
+would take the config of the adapter named "default" whatever adapter is active, and PEFT's state dict of the adapter,
+every tensor with its dtype) before the first reference log-probability is computed; TRL's own code then uses it for
+every reference forward (`trl.trainer.utils.use_adapter`), frozen.
 Everything else is TRL's.
 Subclasses rather than TRL's classes unchanged, because nothing else can act between TRL making the adapter and TRL
 using the reference. They also refuse, before any work, the options a Bitune adapter cannot run, naming the option and
