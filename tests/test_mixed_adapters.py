@@ -609,12 +609,37 @@ def test_adapters_that_lay_out_turns_differently_run_one_forward_each(load_base)
     torch.testing.assert_close(out.loss, loss_sum / int((batch["labels"] != -100).sum()), atol=1e-5, rtol=0)
 
 
-def test_an_inner_method_without_per_row_adapters_is_refused_before_any_work(load_base):
-    model = make_bitune(load_base("llama"), adapter_config=IA3Config(target_modules=["q_proj", "v_proj"],
-                                                                   feedforward_modules=[]))
-    model.add_adapter("other", BituneConfig(adapter_config=IA3Config(target_modules=["q_proj", "v_proj"],
-                                                                     feedforward_modules=[])))
+@pytest.mark.parametrize("method", ["ia3", "dora"])
+def test_an_inner_method_without_per_row_adapters_runs_its_layers_again_for_each_adapters_rows(load_base, method):
+    """IA3 layers have no per-row mechanism, and LoRA's refuses DoRA: such layers run once more for each adapter's
+    rows, routed to that adapter alone; the batch stays one batch, and every row is as its adapter gives it alone."""
+    def inner():
+        if method == "ia3":
+            return IA3Config(target_modules=["q_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
+                             init_ia3_weights=False)
+        return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, use_dora=True)
+
+    model = make_bitune(load_base("llama"), adapter_config=inner())
+    torch.manual_seed(3)
+    model.add_adapter("other", BituneConfig(adapter_config=inner(), second_pass_attention="causal"))
+    model.set_adapter("default")
     model.eval()
-    batch = left_padded(prompts(3, [2, 3]))
-    with pytest.raises(ValueError, match="per-row mechanism, which Linear layers do not have"):
-        model.generate(**batch, **GREEDY, adapter_names=["other", "default"])
+    names = ["other", "__base__", "default", "other"]
+    batch = left_padded(prompts(3, [2, 5, 3, 4]))
+    settings = dict(GREEDY, return_dict_in_generate=True, output_scores=True)
+    out = model.generate(**batch, **settings, adapter_names=names)
+    rows, forward_batch, _ = padded_batch("left", VOCAB)
+    with torch.no_grad():
+        logits = model(**forward_batch, adapter_names=names).logits
+    for name, group in rows_by_adapter(names).items():
+        if name == "__base__":
+            with model.disable_adapter():
+                own = model.generate(**select(batch, group), **settings)
+        else:
+            own = alone(model, name, lambda group=group: model.generate(**select(batch, group), **settings))
+            with torch.no_grad():
+                own_logits = alone(model, name, lambda group=group: model(**select(forward_batch, group)).logits)
+            assert_as_alone(logits[group], own_logits)
+        assert torch.equal(out.sequences[group], own.sequences)
+        for step, own_step in zip(out.scores, own.scores):
+            assert_as_alone(step[group], own_step)

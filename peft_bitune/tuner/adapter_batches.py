@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .. import compat
 from ..constants import BIDIRECTIONAL, CAUSAL, WeightSet
 
 # PEFT's name for the rows of a mixed batch that run without any adapter.
@@ -92,20 +93,20 @@ def check_adapter_names(
 
 
 class RowRouting:
-    """Hands every tuner layer the per-row inner adapter names of the pass that runs, as PEFT's LoRA hook hands them
-    (`adapter_names`), for as long as the hooks are installed (one call). A layer that sees more rows than names (the
-    rows repeated for beams or return sequences) takes each name as many times, in transformers' order."""
+    """
+    Runs every tuner layer with each row's inner adapter of the pass that runs, for as long as a pass is routed.
+
+    A layer with a per-row mechanism (LoRA's, `compat.routes_rows`) is handed the names as PEFT's own hook hands them
+    (`adapter_names`). Any other layer (IA3, LoHa, ..., DoRA) is run again for each adapter's rows, routed to that
+    adapter alone, and its output rows replaced: the one fallback of an inner method without a per-row mechanism, at
+    the cost of running such a layer once more. A layer that sees more rows than names (the rows repeated for beams
+    or return sequences) takes each name as many times, in transformers' order.
+    """
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
-        unsupported = sorted({type(layer).__name__ for layer in layers if not hasattr(layer, "_mixed_batch_forward")})
-        if unsupported:
-            raise ValueError(
-                f"`adapter_names` runs each row with its own adapter through the inner PEFT method's per-row "
-                f"mechanism, which {unsupported[0]} layers do not have (PEFT's mixed batches are LoRA's): run each "
-                "adapter's rows in a call of their own, after `set_adapter`."
-            )
         self.layers = layers
         self.names: list[str] | None = None
+        self._apart = False  # within a layer run again for some rows
 
     @contextmanager
     def routed(self, names: list[str]) -> Iterator[None]:
@@ -113,7 +114,8 @@ class RowRouting:
         block only."""
         previous, self.names = self.names, names
         handles = [] if previous is not None else [
-            layer.register_forward_pre_hook(self._hand_names, with_kwargs=True) for layer in self.layers
+            layer.register_forward_pre_hook(self._hand_names, with_kwargs=True) if compat.routes_rows(layer)
+            else layer.register_forward_hook(self._run_rows_apart, with_kwargs=True) for layer in self.layers
         ]
         try:
             yield
@@ -122,12 +124,28 @@ class RowRouting:
             for handle in handles:
                 handle.remove()
 
+    def _names_for(self, rows: int) -> list[str]:
+        repeat = rows // len(self.names)
+        return self.names if repeat == 1 else [name for name in self.names for _ in range(repeat)]
+
     def _hand_names(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.names is not None:
-            rows = len(args[0]) if args else len(next(iter(kwargs.values())))
-            repeat = rows // len(self.names)
-            kwargs["adapter_names"] = self.names if repeat == 1 else [n for n in self.names for _ in range(repeat)]
+        kwargs["adapter_names"] = self._names_for(len(args[0]))
         return args, kwargs
+
+    def _run_rows_apart(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+        if self._apart:
+            return output
+        names, previous = self._names_for(len(args[0])), compat.routed_adapters(module)
+        self._apart = True
+        try:
+            for name in dict.fromkeys(names):
+                rows = [i for i, n in enumerate(names) if n == name]
+                compat.route_layers([module], [] if name == BASE_ADAPTER else [name])
+                output[rows] = module(args[0][rows], *args[1:], **kwargs)
+        finally:
+            compat.route_layers([module], previous)
+            self._apart = False
+        return output
 
 
 @dataclass(frozen=True)
@@ -201,10 +219,6 @@ def row_adapters(tuner: Any, adapter_names: Any, batch_size: int | None, per_pro
         raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
     names = check_adapter_names(adapter_names, batch_size, list(tuner.peft_config), tuner.training, per_prompt)
     configs = {name: tuner.peft_config[name] for name in dict.fromkeys(names) if name != BASE_ADAPTER}
-    dora = [name for name, config in configs.items() if getattr(config.adapter_config, "use_dora", False)]
-    if dora:
-        raise ValueError(f"`adapter_names` cannot route rows to DoRA adapters ({dora}), as PEFT's LoRA cannot: run "
-                         "each adapter's rows in a call of their own, after `set_adapter`.")
     routing = RowRouting(tuner._router.index.tuner_layers)
     mixers = {name: tuner.bitune_mixers[name] for name in configs}
     num_layers = len(tuner.bitune_mixers[tuner.active_adapter].mixed)
