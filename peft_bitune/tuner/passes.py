@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -182,8 +182,11 @@ class BitunePasses:
         self, weight_set: WeightSet, cache: Cache, inputs: dict[str, torch.Tensor]
     ) -> list[HeldKeyValues]:
         """One prompt pass that records its keys/values into `cache`; the cache hands them over and records no more
-        (a checkpointed layer's recomputation writes to it again), so that nothing else holds them."""
-        self.prompt_pass(weight_set, cache, **inputs)
+        (a checkpointed layer's recomputation writes to it again), so that nothing else holds them. A pass that ends
+        at its last layer's keys/values runs that layer without its checkpoint, which it would leave midway."""
+        last_layer = self.decoder_layer_paths[-1].modules[-1]
+        with compat.checkpointing_paused(last_layer) if self.stop_early else nullcontext():
+            self.prompt_pass(weight_set, cache, **inputs)
         self._gather_shards_for_recorded(cache)
         recorded = [HeldKeyValues(keys, values) for keys, values in zip(*recorded_key_values(cache))]
         for layer in cache.layers:

@@ -15,8 +15,11 @@ backward, interleaved, with and without the stop): on the shape of SmolLM2-135M 
 prefill and 7% of a training step at batch 8.
 
 Leaving the decoder by an exception skips whatever was to run after the forwards it leaves, so the stop is allowed
-(`may_end_early`) only when nothing runs there: not under gradient checkpointing (a checkpointed layer's
-recomputation state would be left to the garbage collector), and not when something hooks into those forwards:
+(`may_end_early`) only when nothing runs there. No checkpointed layer is left: a checkpointed layer's recomputation
+state would be left to the garbage collector, so under gradient checkpointing the pass runs its last layer without
+its checkpoint (`BitunePasses._recorded_key_values`; a training step's single turns run every prompt-pass layer
+without autograd and without checkpoint, `layer_inputs.capturing_layer_calls`), so that it draws the random numbers
+of the pass without checkpointing; and it does not stop when something hooks into those forwards:
 accelerate (offloading, device maps), FSDP, DeepSpeed ZeRO-3 or the user's own hooks. Which modules those are is
 computed once per model (`modules_left_early`); reading their hooks needs private attributes of torch and accelerate,
 read by `compat.forwards_are_hooked`.
@@ -59,7 +62,8 @@ def modules_left_early(decoder: nn.Module, decoder_layers: Sequence[nn.Module]) 
 
 
 def may_end_early(left_early: Sequence[nn.Module], checkpointing: bool) -> bool:
-    """Whether a prompt pass may end at its last layer's keys/values: not under gradient `checkpointing`, and only if
-    nothing runs around the forwards of the modules it would leave (`left_early`, see `modules_left_early`). Only
-    those modules are checked: a walk of the whole model costs milliseconds on deep models."""
+    """Whether a prompt pass may end at its last layer's keys/values: not where it would leave a layer under gradient
+    `checkpointing`, and only if nothing runs around the forwards of the modules it would leave (`left_early`, see
+    `modules_left_early`). Only those modules are checked: a walk of the whole model costs milliseconds on deep
+    models."""
     return not checkpointing and not compat.forwards_are_hooked(left_early)

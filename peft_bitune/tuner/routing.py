@@ -22,7 +22,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .. import compat
-from ..utils.base_model import decoder_of
+from ..utils.base_model import decoder_of, num_layers
 from .prompt_pass_end import may_end_early, modules_left_early
 from .sharding import LayerPath
 
@@ -111,8 +111,12 @@ class LayerRouter:
         return [m for m in self.index.checkpoint_layers if m.gradient_checkpointing and m.training]
 
     def prompt_passes_may_stop_early(self) -> bool:
-        """Whether a prompt pass may end at its last layer's keys/values in this forward (see `prompt_pass_end.py`)."""
-        return may_end_early(self.index.left_early, checkpointing=bool(self.checkpointing_layers()))
+        """Whether a prompt pass may end at its last layer's keys/values in this forward (see `prompt_pass_end.py`).
+        Under checkpointing, a pass that ends there runs its last decoder layer without its checkpoint, which needs
+        each cache layer's decoder layer (`decoder_layer_paths`)."""
+        paths = self.index.decoder_layer_paths
+        leaves_a_checkpoint = bool(self.checkpointing_layers()) and len(paths) != num_layers(self.model)
+        return may_end_early(self.index.left_early, checkpointing=leaves_a_checkpoint)
 
     @contextmanager
     def checkpointing_keeps_caches(self) -> Iterator[None]:
