@@ -76,6 +76,32 @@ def test_a_checkpointed_step_draws_the_dropout_masks_of_the_plain_step(layers, m
     assert not torch.allclose(bitune_step(True, base, adapter_config, seed=2)[0], checkpointed[0])
 
 
+@pytest.mark.parametrize("mode", ["alternating", "history"])
+def test_a_checkpointed_multi_turn_step_draws_the_dropout_masks_of_the_plain_step(mode):
+    """Multi-turn rows: the earlier turns' prompt passes record their keys/values (every later pass reads them), and
+    under checkpointing too they end at the last layer's keys/values, as without (that layer runs without its
+    checkpoint there), so the step draws the plain step's masks."""
+    from test_multi_turn import make_conversations
+
+    adapter_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                                lora_dropout=0.2)
+    batch = make_conversations("right")[1]
+    steps = []
+    for checkpointing in (False, True):
+        model = make_bitune(tiny_llama(2), adapter_config, multi_turn=mode)
+        if checkpointing:
+            compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
+        model.train()
+        torch.manual_seed(1)
+        loss = model(**batch).loss
+        loss.backward()
+        grads = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()
+                 if p.requires_grad}
+        steps.append((loss.detach(), grads, torch.rand(1)))
+    assert_same_step(steps[1], steps[0])
+    assert torch.equal(steps[1][2], steps[0][2])
+
+
 @pytest.mark.parametrize("multi_head", [False, True])
 def test_a_checkpointed_step_under_cpu_autocast_gives_the_plain_steps_gradients(multi_head):
     """Under `torch.autocast("cpu", dtype=torch.bfloat16)` (what the trainer's `bf16=True` runs the forward under):
