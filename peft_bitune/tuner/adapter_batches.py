@@ -8,8 +8,9 @@ own adapter's coefficients; a `"__base__"` row mixes nothing (alpha 0), so its c
 base weights. A mixed batch is then one forward, one prefill and one `generate` loop.
 
 Where one batch cannot express a difference, the smallest part runs apart: the bidirectional prompt pass of rows whose
-adapters read it with another mask (`second_pass_attention`) is a call of its own (`BitunePasses.prompt_pass`), and a
-forward over adapters with different `multi_turn` settings runs once per setting (`BituneModel._forward_per_mode`).
+adapters read it with another mask (`second_pass_attention`) is a call of its own (`BitunePasses.prompt_pass`), a
+forward over adapters with different `multi_turn` settings runs once per setting (`forward_per_setting`), and a layer
+of an inner method without a per-row mechanism runs once more for each adapter's rows (`RowRouting`).
 """
 
 from __future__ import annotations

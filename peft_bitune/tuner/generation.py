@@ -18,8 +18,8 @@ a batch whose rows name different adapters (`adapter_batches.py`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -92,29 +92,15 @@ def run_causally(
 def decode(
     passes: BitunePasses, prompts: Prompts, cache: BituneCache | None, generation_config: Any, kwargs: dict[str, Any]
 ) -> Any:
-    """Read the prompts into `cache` (a new one without `cache`), let transformers' `generate` decode with
-    `kwargs`, and leave the cache holding the returned sequences."""
+    """Read the prompts into `cache` (a new one without `cache`), let transformers' `generate` decode with `kwargs`
+    (with the causal weights: each row's, in a mixed-adapter batch), and leave the cache holding the returned
+    sequences."""
     continuing = cache is not None
     with torch.no_grad():
         if continuing:
             continue_conversation(passes, cache, prompts)
         else:
             cache = prefill_cache(passes, prompts)
-    return _decode_from(passes.model, lambda: passes.routed(CAUSAL), prompts, cache, continuing, generation_config,
-                        kwargs)
-
-
-def _decode_from(
-    model: Any,
-    causal: Callable[[], AbstractContextManager[None]],
-    prompts: Prompts,
-    cache: BituneCache,
-    continuing: bool,
-    generation_config: Any,
-    kwargs: dict[str, Any],
-) -> Any:
-    """`generate` from a cache that holds every input column but the last; `causal()` routes the model to the
-    weights that decode (each row's, in a mixed-adapter batch)."""
     # Beam search leaves the cache rows of its last running beams, not of the sequences it returns: keep the cache as
     # it is before decoding, to rebuild the returned sequences' rows where the caller can reach the cache.
     before_decoding = None
@@ -125,8 +111,8 @@ def _decode_from(
         cache.batch_repeat_interleave(expand)
     attention_mask = prompts.attention_mask
     kwargs["attention_mask"] = attention_mask
-    with causal():
-        output = model.generate(**{compat.CACHE_NAME: cache}, **kwargs)
+    with passes.routed(CAUSAL):
+        output = passes.model.generate(**{compat.CACHE_NAME: cache}, **kwargs)
     sequences = output.sequences if hasattr(output, "sequences") else output
     rows_per_prompt = sequences.shape[0] // attention_mask.shape[0]
     generated = sequences.shape[1] - attention_mask.shape[1]
@@ -135,8 +121,8 @@ def _decode_from(
         attention_mask.new_ones(sequences.shape[0], generated),  # what `generate` fed for every new token
     ], dim=1)
     if before_decoding is not None:
-        with torch.no_grad(), causal():
-            _hold_sequences(model, cache, before_decoding, sequences, conversation_mask, prompts)
+        with torch.no_grad(), passes.routed(CAUSAL):
+            _hold_sequences(passes.model, cache, before_decoding, sequences, conversation_mask, prompts)
     cache.remember_conversation(sequences, conversation_mask)
     return output
 
