@@ -21,8 +21,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from ..constants import IGNORE_INDEX
-from ..utils.base_model import text_config
+from ..constants import BIDIRECTIONAL, IGNORE_INDEX
+from ..utils.base_model import decoder_of, text_config
 from ..utils.messages import first_true, format_rows
 
 
@@ -372,8 +372,9 @@ def _check_ordinary_positions(position_ids: torch.Tensor, valid: torch.Tensor) -
         )
 
 
-def check_base_model_supported(model: Any) -> None:
-    """Refuse, before any weights are created, a model Bitune cannot run on."""
+def check_base_model_supported(model: Any, second_pass_attention: str = BIDIRECTIONAL) -> None:
+    """Refuse, before any weights are created, a model Bitune cannot run on (with `second_pass_attention`, as the
+    Bitune config asks)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "generate") or not hasattr(model, "get_decoder"):
         raise ValueError(
@@ -391,6 +392,9 @@ def check_base_model_supported(model: Any) -> None:
     if not hasattr(text_config(model), "num_hidden_layers"):
         raise ValueError(f"Cannot find `num_hidden_layers` in the config of {type(model).__name__}.")
     check_no_recurrent_layers(model)
+    check_decoder_stack(model)
+    if second_pass_attention == BIDIRECTIONAL:
+        check_bidirectional_attention(model)
 
 
 def check_no_recurrent_layers(model: Any) -> None:
@@ -401,6 +405,12 @@ def check_no_recurrent_layers(model: Any) -> None:
     position, which is not defined for a recurrent state. transformers' own cache says which layers hold one.
     """
     config = text_config(model)
+    if getattr(config, "model_type", None) in _OWN_STATE_CACHES:
+        raise ValueError(
+            f"Bitune cannot tune {type(model).__name__}: it is a recurrent model whose cache is its own recurrent "
+            "state, not keys and values per position; Bitune mixes its two prompt passes' keys/values position by "
+            "position, which is not defined for a recurrent state. Use a model whose layers are all attention layers."
+        )
     layers = DynamicCache(config=config).layers
     recurrent = [index for index, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
     if recurrent:
@@ -412,3 +422,80 @@ def check_no_recurrent_layers(model: Any) -> None:
             "passes' keys/values position by position, which is not defined for a recurrent state. Use a model whose "
             "layers are all attention layers."
         )
+
+
+# Recurrent families whose cache is a class of their own (transformers' `generate` gives them no `DynamicCache`), so
+# that `DynamicCache(config=...)` cannot tell: a Bitune pass hands them a `DynamicCache`, and they fail at the first
+# forward (xLSTM: `AttributeError ... 'rnn_state'`; RWKV: a `RuntimeError`).
+_OWN_STATE_CACHES = ("rwkv", "xlstm")
+
+
+def check_decoder_stack(model: Any) -> None:
+    """Refuse a model whose `get_decoder()` is not its decoder stack: Bitune runs its prompt passes through it.
+    ModernBERT-decoder's returns its output projection (an `nn.Linear` named `decoder`), which fails at the first
+    forward (`Linear.forward() got an unexpected keyword argument 'cache'`)."""
+    from transformers import PreTrainedModel
+
+    decoder = decoder_of(model)
+    if not isinstance(decoder, PreTrainedModel):
+        raise ValueError(
+            f"Bitune cannot tune {type(model).__name__}: its `get_decoder()` returns a {type(decoder).__name__}, not "
+            "the decoder stack its prompt passes run through. Use another model family (plain LoRA can tune this one)."
+        )
+
+
+# Families whose decoder layers do not hand `is_causal` on to their attention, so that SDPA (and flash attention),
+# given no mask where the prompt has no padding, fall back on the layer's own causal flag (measured: an earlier
+# position's keys do not change when a later prompt token does). Their eager attention reads the mask, which is
+# bidirectional.
+_IS_CAUSAL_REACHES_EAGER_ONLY = ("nemotron", "stablelm")
+# The layer type of chunked attention (Llama 4), whose mask function (`create_chunked_causal_mask`) reads no
+# `is_causal`: causal within each chunk, whatever is asked.
+_CHUNKED = "chunked_attention"
+
+
+def check_bidirectional_attention(model: Any) -> None:
+    """
+    Refuse a model on which `is_causal=False` would not make the bidirectional prompt pass bidirectional: it would
+    silently run causally. transformers turns the argument into the config flag its mask functions read in
+    `merge_with_config_defaults`, a decorator of the decoder's `forward`; families whose `forward` lacks it (Bloom,
+    MPT, Falcon, GPT-Neo, GPT-NeoX-Japanese) build a causal mask whatever is asked, and so does chunked attention
+    (Llama 4). Some others (Nemotron, StableLM) lose the argument on the way to SDPA or flash attention.
+    """
+    decoder = decoder_of(model)
+    name, config = type(model).__name__, text_config(model)
+    how = "run its bidirectional prompt pass causally"
+    if not _reads_is_causal(type(decoder).forward):
+        raise ValueError(
+            f"Bitune cannot tune {name}: {type(decoder).__name__} ignores `is_causal=False` (its forward builds a "
+            f"causal mask whatever is asked), so Bitune would {how}. Use another model family, or set "
+            "`second_pass_attention='causal'` in the BituneConfig."
+        )
+    chunked = [index for index, kind in enumerate(getattr(config, "layer_types", None) or []) if kind == _CHUNKED]
+    if chunked:
+        raise ValueError(
+            f"Bitune cannot tune {name}: layer {chunked[0]} runs chunked attention, whose mask transformers builds "
+            f"causal whatever is asked, so Bitune would {how}. Use another model family, or set "
+            "`second_pass_attention='causal'` in the BituneConfig."
+        )
+    implementation = getattr(config, "_attn_implementation", None)
+    if getattr(config, "model_type", None) in _IS_CAUSAL_REACHES_EAGER_ONLY and implementation != "eager":
+        raise ValueError(
+            f"Bitune cannot tune {name} with `attn_implementation='{implementation}'`: its decoder layers do not "
+            f"hand `is_causal=False` on to that attention, so Bitune would {how}. Load it with "
+            "`attn_implementation='eager'`, or set `second_pass_attention='causal'` in the BituneConfig."
+        )
+
+
+def _reads_is_causal(forward: Any) -> bool:
+    """Whether a decoder's `forward` is wrapped in transformers' `merge_with_config_defaults`, which hands an
+    `is_causal` argument to the mask functions (through the config they read): one of the functions its wrappers'
+    `__wrapped__` lead through runs that decorator's wrapper code."""
+    from transformers.utils.generic import merge_with_config_defaults
+
+    wrapper_code = merge_with_config_defaults(lambda self: None).__code__
+    while forward is not None:
+        if getattr(forward, "__code__", None) is wrapper_code:
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    return False

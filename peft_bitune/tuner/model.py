@@ -105,7 +105,7 @@ class BituneModel(BaseTuner):
         if not isinstance(config, BituneConfig):
             raise TypeError(f"BituneModel holds only Bitune adapters; `{adapter_name}` has a {type(config).__name__}.")
         config.check()  # first: a field assigned after the config was made is refused by name, before any use
-        check_base_model_supported(model)
+        check_base_model_supported(model, config.second_pass_attention)
         check_quantized_base(model, config.adapter_config)
         match_base_model(config, model, adapter_name)
         if INNER_SEPARATOR in adapter_name:
