@@ -130,8 +130,7 @@ class LayerCall:
 
 @contextmanager
 def capturing_layer_calls(
-    layers: Sequence[nn.Module], weights: Callable[[nn.Module], AbstractContextManager],
-    decoder: nn.Module | None = None,
+    layers: Sequence[nn.Module], weights: Callable[[nn.Module], AbstractContextManager], decoder: nn.Module
 ) -> Iterator[list[LayerCall]]:
     """
     Run the decoder layers (`layers` of `decoder`, in order) of the pass in the block without autograd and without
@@ -142,12 +141,12 @@ def capturing_layer_calls(
     The pass draws its random numbers as a pass without checkpointing does, so that the step's stream goes on as
     there: where such a pass ends at its last layer's keys/values (`prompt_pass_end.py`: nothing hooks the forwards of
     `decoder` it would leave), this one ends there too (its last layer's cache raises `PromptPassComplete` after its
-    update, which the pass catches); otherwise (or without `decoder`) it runs to the end. No checkpoint is around its
-    layers, so leaving them early leaves nothing behind.
+    update, which the pass catches); otherwise it runs to the end. No checkpoint is around its layers, so leaving them
+    early leaves nothing behind.
     """
     calls: list[LayerCall | None] = [None] * len(layers)
     grad_enabled = torch.is_grad_enabled()
-    ends_early = decoder is not None and may_end_early(modules_left_early(decoder, layers), checkpointing=False)
+    ends_early = may_end_early(modules_left_early(decoder, layers), checkpointing=False)
     last = len(layers) - 1
 
     def keep(index: int) -> Callable[..., Any]:
