@@ -79,3 +79,59 @@ ATTENTION_CASES = [
     (arch, impl) for arch, config in model_configs().items() for impl in ("eager", "sdpa")
     if impl == "eager" or _supports_sdpa(config)
 ]
+
+
+# ----------------------------------------------------------------------------------- families Bitune refuses
+TEXT = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+LAYERS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=256)
+
+
+def causal_only_configs() -> dict:
+    """Tiny configs of the families on which `is_causal=False` leaves the bidirectional pass causal, by name, each
+    with the attention implementation that does (`checks.check_bidirectional_attention` refuses them)."""
+    from transformers import (
+        BloomConfig,
+        FalconConfig,
+        GPTNeoConfig,
+        GPTNeoXJapaneseConfig,
+        Llama4TextConfig,
+        MptConfig,
+        NemotronConfig,
+        StableLmConfig,
+    )
+
+    return {
+        "bloom": (BloomConfig(hidden_size=32, n_layer=2, n_head=4, **TEXT), "eager"),
+        "mpt": (MptConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=256, **TEXT), "eager"),
+        "falcon": (FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **TEXT), "sdpa"),
+        "gpt_neo": (GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global"], 2]],
+                                 max_position_embeddings=256, **TEXT), "eager"),
+        "gpt_neox_japanese": (GPTNeoXJapaneseConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                    intermediate_multiple_size=2, max_position_embeddings=256,
+                                                    **TEXT), "eager"),
+        # Chunked attention: chunks of 4 tokens, so that a prompt crosses them.
+        "llama4_text": (Llama4TextConfig(num_key_value_heads=2, head_dim=8, intermediate_size_mlp=64,
+                                         num_local_experts=2, attention_chunk_size=4, **LAYERS, **TEXT), "sdpa"),
+        "stablelm": (StableLmConfig(num_key_value_heads=2, **LAYERS, **TEXT), "sdpa"),
+        "nemotron": (NemotronConfig(num_key_value_heads=2, head_dim=8, **LAYERS, **TEXT), "sdpa"),
+    }
+
+
+def eager_only_configs() -> dict:
+    """The families of `causal_only_configs` whose eager attention does read `is_causal=False` (accepted then)."""
+    return {name: config for name, (config, _) in causal_only_configs().items() if name in ("stablelm", "nemotron")}
+
+
+def unsupported_configs() -> dict:
+    """Tiny configs of families that fail at their first forward under Bitune, refused at `get_peft_model`: recurrent
+    models with caches of their own, and ModernBERT-decoder, whose `get_decoder()` is its output projection."""
+    from transformers import ModernBertDecoderConfig, RwkvConfig, xLSTMConfig
+
+    return {
+        "xlstm": xLSTMConfig(hidden_size=32, num_hidden_layers=2, num_heads=4, **TEXT),
+        "rwkv": RwkvConfig(hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+                           context_length=64, **TEXT),
+        "modernbert_decoder": ModernBertDecoderConfig(cls_token_id=3, sep_token_id=4, local_attention=6,
+                                                      global_attn_every_n_layers=2, **LAYERS, **TEXT),
+    }
