@@ -312,6 +312,19 @@ class BituneCache(DynamicCache):
                 f"`attention_mask` marks column {column} of row {row} as a real token, but it was padding in the "
                 "conversation this cache holds: keep the attention mask of the earlier turns (0 on their padding)."
             )
+        # A dropped column is one the cache holds as real; every cached token after it was computed with it in
+        # view, so only the end of a row's history (e.g. the padding fed to a finished row) may be dropped.
+        dropped = cached_mask & ~real
+        kept_later = real.flip(-1).long().cummax(-1).values.flip(-1).bool()  # a real column at or after each one
+        hole = first_true(dropped & torch.cat([kept_later[:, 1:], torch.zeros_like(real[:, :1])], dim=1))
+        if hole is not None:
+            row, column = hole
+            raise ValueError(
+                f"`attention_mask` drops column {column} of row {row}, a real token of the conversation this cache "
+                "holds, but keeps later ones: their cached keys/values were computed with it in view, so the history "
+                "cannot be read as if it were absent. Keep the attention mask of the earlier turns (only the end of a "
+                "row's history, e.g. padding after an answer that ended early, may be dropped)."
+            )
         changed = first_true(real & (history != cached_ids))
         if changed is not None:
             row, column = changed

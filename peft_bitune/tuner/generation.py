@@ -178,6 +178,55 @@ def refuse_bitune_cache_while_disabled(cache: Any) -> None:
         )
 
 
+def refuse_continuous_batching(*args: Any, **kwargs: Any) -> None:
+    """transformers' continuous batching (`generate_batch`, `cache_implementation="paged"`) fills a paged cache of its
+    own and splits prompts across steps, so it cannot read a prompt twice; reached through PEFT, which hands the
+    attributes it lacks to the inner model, it would run the base model without a word."""
+    raise ValueError(
+        "transformers' continuous batching (`generate_batch`, `init_continuous_batching`, `cache_implementation="
+        "'paged'`) is not supported by Bitune: it builds its own paged cache and splits prompts across steps, so it "
+        "would run the base model with no Bitune prefill. Use `generate` with a batch of left-padded prompts, or "
+        "serve the adapter on vLLM (`vllm_integration.load_llm`, docs/serving.md)."
+    )
+
+
+def refuse_prefill_while_disabled() -> None:
+    """`prefill` inside `disable_adapter()` would mix two base-model passes with the adapter's scalars: a cache that
+    is neither the base model's nor the adapter's."""
+    raise ValueError(
+        "`prefill` reads the prompt with the adapter's two weight sets, which `disable_adapter()` turns off: call it "
+        "outside `disable_adapter()`, or, for the base model's cache, run the base model's forward with "
+        "`use_cache=True` inside it."
+    )
+
+
+def continuation_positions(cache: Any, attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """
+    The position ids of `length` new tokens that a forward runs over `cache`, as `generate` computes them (real tokens
+    counted from 0), so that a forward over a left-padded `prefill` is exactly a decoding step. `None` where the
+    model's own default (the cache length onward) is already that: no padding anywhere.
+
+    A Bitune cache of padded rows with no `attention_mask` is refused: the model would attend to the padding and
+    count it as positions.
+    """
+    if attention_mask is not None:
+        expected = cache.get_seq_length() + length
+        if attention_mask.shape[-1] != expected:
+            raise ValueError(
+                f"`attention_mask` has {attention_mask.shape[-1]} columns, but a forward of {length} new tokens over "
+                f"a cache of {cache.get_seq_length()} positions needs {expected}: the mask of what the cache holds, "
+                "then the new tokens'."
+            )
+        return positions_for(attention_mask)[:, -length:]
+    if isinstance(cache, BituneCache) and cache.conversation_mask is not None and not cache.conversation_mask.all():
+        raise ValueError(
+            "This cache holds left-padded rows, so a forward over it needs `attention_mask`: the mask of the "
+            "conversation the cache holds (e.g. the prompts' mask given to `prefill`) followed by 1 for each new "
+            "token, as `generate` passes it."
+        )
+    return None
+
+
 def max_length_is_set(model: Any, kwargs: dict[str, Any]) -> bool:
     """Whether `max_length` was set (as an argument, in the given generation config, or in the model's), so that
     transformers takes it as the total length rather than generating its default 20 tokens."""
@@ -218,6 +267,8 @@ def checked_generation_config(model: Any, kwargs: dict[str, Any]) -> Any:
             "so the answer would differ from plain decoding. Remove the assistant arguments; decoding a token costs "
             "what it costs for the base model with one adapter."
         )
+    if kwargs.get("cache_implementation") == "paged" or generation_config.cache_implementation == "paged":
+        refuse_continuous_batching()
     if generation_config.use_cache is False:
         raise ValueError(
             "`use_cache=False` is not supported by Bitune generation: the prompt is read twice and the two key/value "

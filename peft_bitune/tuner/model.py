@@ -426,8 +426,9 @@ class BituneModel(BaseTuner):
             prompt_mask (`torch.Tensor` of shape (batch_size, seq_len), *optional*): 1 on instruction tokens. When
                 given, labels on instruction tokens are not used: the loss is on answer tokens only.
             cache (`Cache`, *optional*): continue decoding from a cache (e.g. from `prefill`); the input is then run
-                causally with the causal weights, exactly like a decoding step of `generate`. `past_key_values`, its
-                name before transformers 5.24, is accepted too.
+                causally with the causal weights, exactly like a decoding step of `generate` (without `position_ids`,
+                positions counted over `attention_mask` as `generate` counts them, which left-padded rows need).
+                `past_key_values`, its name before transformers 5.24, is accepted too.
             num_items_in_batch (`int`, *optional*): the number of supervised tokens the loss is averaged over (passed
                 by `Trainer` under gradient accumulation); defaults to this batch's count.
             fused_lm_head (`bool`, *optional*): TRL's fused-head call (`fused_head.py`): return per-token
@@ -473,6 +474,8 @@ class BituneModel(BaseTuner):
             adapter_batches.refuse_base_rows_over_bitune_cache(rows, isinstance(cache, BituneCache))
         if disabled:
             generation.refuse_bitune_cache_while_disabled(cache)
+        if cache is not None and not disabled and sequence is not None and "position_ids" not in kwargs:
+            kwargs["position_ids"] = generation.continuation_positions(cache, attention_mask, sequence.shape[1])
         if disabled or cache is not None:
             # The base model alone, or a causal continuation of the cache with the causal weights (routed between
             # passes; each row's own in a mixed-adapter batch).
@@ -510,6 +513,10 @@ class BituneModel(BaseTuner):
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     # ------------------------------------------------------------------ generation
+    # transformers' continuous batching, which PEFT would otherwise reach on the base model.
+    generate_batch = init_continuous_batching = continuous_batching_context_manager = staticmethod(
+        generation.refuse_continuous_batching)
+
     @torch.no_grad()
     def prefill(
         self,
@@ -539,6 +546,9 @@ class BituneModel(BaseTuner):
                 in one batch (`adapter_batches.py`). Evaluation mode only.
         """
         check_token_ids(input_ids)
+        if self._adapters_disabled():
+            self._check_has_active_adapter()  # none left is said as such
+            generation.refuse_prefill_while_disabled()
         rows = adapter_batches.row_adapters(self, adapter_names, input_ids.shape[0])
         prompts = self._checked_prompts(input_ids, attention_mask, cache, rows=rows)
         with generation.checkpointing_off(self._router.index.checkpoint_layers):
