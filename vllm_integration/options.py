@@ -136,3 +136,20 @@ def check_chat(messages: Any, multi_turn: str) -> None:
                 "reads each turn twice over the conversation's cache, which vLLM does not keep): send one turn, or "
                 "serve multi-turn chats with `bitune-serve`."
             )
+
+
+MULTI_TURN_REFUSAL = (
+    "This Bitune adapter (multi_turn='alternating') reads each user turn twice over the conversation's cache, which "
+    "vLLM does not keep, so a chat of several user turns cannot be served exactly: send one turn, or serve "
+    "multi-turn chats with bitune-serve."
+)
+
+
+def guarded_chat_template(template: str) -> str:
+    """`template` with a guard in front that refuses (through the template's `raise_exception`, before any token) a
+    chat of several user turns: the server-side counterpart of `check_chat`, for `vllm serve`."""
+    guard = (
+        "{%- if (messages | selectattr('role', 'equalto', 'user') | list | length) > 1 -%}"
+        "{{ raise_exception(" + repr(MULTI_TURN_REFUSAL) + ") }}{%- endif -%}\n"
+    )
+    return guard + template

