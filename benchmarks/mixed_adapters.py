@@ -6,8 +6,11 @@ outputs were stitched back in row order. Now it is one batch: every pass routes 
 through LoRA's per-row `adapter_names`. The split is timed here as a user would write it with the public API (for each
 adapter: `set_adapter`, `generate` its rows; then the sequences put back in row order, padded to one width), which is
 what the split did inside, and the one batch is `generate(..., adapter_names=...)`. Both decode every row to
-`--new-tokens` (no EOS), greedily, and must give the same sequences. Rounds are interleaved, on the CPU-time clock
-(`measure.py`); the ratio is one batch over the split (below 1: one batch is faster).
+`--new-tokens` (no EOS), greedily, and must give the same sequences. A third workload, the whole batch with one
+adapter (no `adapter_names`), is what a batch of that shape costs without per-row adapters: on a CPU a larger batch
+is not always cheaper per row than two smaller ones, and this separates that from the cost of routing rows. Rounds are
+interleaved, on the CPU-time clock (`measure.py`); each ratio is one batch over the other (below 1: one batch is
+faster).
 
     python benchmarks/mixed_adapters.py --json docs/results/mixed_adapters.json
 """
@@ -30,7 +33,7 @@ from measure import Clock, Ratio, RoundPolicy, interleaved_rounds  # noqa: E402
 from models import MODEL_SIZES, lora_config, prompt_batch, random_base  # noqa: E402
 from peft_bitune import BituneConfig  # noqa: E402
 
-CELLS = [(4, 32), (8, 64)]  # (batch, prompt length)
+CELLS = [(4, 32), (8, 64), (16, 128)]  # (batch, prompt length)
 ADAPTERS = ("default", "second")
 
 
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     clock, policy = Clock("cpu", device), RoundPolicy(min_rounds=args.rounds, max_rounds=args.rounds)
 
     cells = []
-    print(f"{'batch':>5s} {'P':>4s} {'split ms':>9s} {'one batch ms':>13s} {'ratio':>6s}")
+    print(f"{'batch':>5s} {'P':>4s} {'split ms':>9s} {'one adapter ms':>15s} {'one batch ms':>13s} {'/split':>7s} "
+          f"{'/one adapter':>13s}")
     for batch_size, prompt_length in CELLS:
         batch = prompt_batch(batch_size, prompt_length, size.vocab_size, device)
         names = [ADAPTERS[i % 2] for i in range(batch_size)]
@@ -84,13 +88,16 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit("The one batch and the split gave different sequences: the comparison would be void.")
         workloads = {
             "split": lambda: {"t": clock.timed(lambda: split_generate(model, batch, names, settings))},
+            "single": lambda: {"t": clock.timed(lambda: model.generate(**batch, **settings))},
             "one": lambda: {"t": clock.timed(lambda: model.generate(**batch, **settings, adapter_names=names))},
         }
-        ratio = Ratio.from_rounds(interleaved_rounds(workloads, policy), "one/t", "split/t")
+        rounds = interleaved_rounds(workloads, policy)
+        split, single = (Ratio.from_rounds(rounds, "one/t", f"{other}/t") for other in ("split", "single"))
         cells.append(dict(batch_size=batch_size, prompt_length=prompt_length, new_tokens=args.new_tokens,
-                          one_batch_over_split=ratio.as_dict()))
-        print(f"{batch_size:5d} {prompt_length:4d} {1e3 * ratio.denominator_s:9.1f} {1e3 * ratio.numerator_s:13.1f} "
-              f"{ratio.value:6.3f}")
+                          one_batch_over_split=split.as_dict(), one_batch_over_one_adapter=single.as_dict()))
+        print(f"{batch_size:5d} {prompt_length:4d} {1e3 * split.denominator_s:9.1f} "
+              f"{1e3 * single.denominator_s:15.1f} {1e3 * split.numerator_s:13.1f} {split.value:7.3f} "
+              f"{single.value:13.3f}")
     report = {"model": args.model, "adapters": len(ADAPTERS), "cells": cells,
               "environment": {"python": platform.python_version(), "torch": torch.__version__,
                               "threads": args.threads, "clock": "cpu"}}

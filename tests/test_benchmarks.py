@@ -375,6 +375,7 @@ def test_mixed_adapters_times_one_batch_against_the_split_and_writes_its_report(
     assert json.loads(out.read_text()) == report
     assert [(cell["batch_size"], cell["prompt_length"]) for cell in report["cells"]] == mixed_adapters.CELLS
     for cell in report["cells"]:
-        ratio = cell["one_batch_over_split"]
-        assert positive_finite(ratio["ratio"])
-        assert ratio["ratio"] == pytest.approx(ratio["numerator_s"] / ratio["denominator_s"])
+        for ratio in (cell["one_batch_over_split"], cell["one_batch_over_one_adapter"]):
+            assert positive_finite(ratio["ratio"])
+            assert ratio["ratio"] == pytest.approx(ratio["numerator_s"] / ratio["denominator_s"])
+        assert cell["one_batch_over_split"]["numerator_s"] == cell["one_batch_over_one_adapter"]["numerator_s"]
