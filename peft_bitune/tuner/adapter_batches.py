@@ -26,7 +26,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import compat
-from ..constants import BIDIRECTIONAL, CAUSAL, WeightSet
+from ..constants import BIDIRECTIONAL, CAUSAL, IGNORE_INDEX, WeightSet
 
 # PEFT's name for the rows of a mixed batch that run without any adapter.
 BASE_ADAPTER = "__base__"
@@ -209,13 +209,18 @@ class RowAdapters:
                 for value in dict.fromkeys(values)}
 
 
-def row_adapters(tuner: Any, adapter_names: Any, batch_size: int | None, per_prompt: int = 1) -> RowAdapters | None:
+def row_adapters(
+    tuner: Any, adapter_names: Any, batch_size: int | None, per_prompt: int = 1, fused_lm_head: bool = False
+) -> RowAdapters | None:
     """What each row of a call of `tuner` (a `BituneModel`) runs with, checked before any work; `None` for an
     ordinary call. The names come as an argument or from PEFT's hook (`call_names`). With the adapters disabled every
     row runs the base model, as in PEFT."""
     adapter_names = call_names(tuner, adapter_names)
     if adapter_names is None or tuner._adapters_disabled():
         return None
+    if fused_lm_head:
+        raise ValueError("`adapter_names` cannot be combined with `fused_lm_head=True` (TRL's training head): run "
+                         "each adapter's rows in a batch of their own, after `set_adapter`.")
     if batch_size is None:
         raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
     names = check_adapter_names(adapter_names, batch_size, list(tuner.peft_config), tuner.training, per_prompt)
@@ -240,13 +245,24 @@ def row_adapters(tuner: Any, adapter_names: Any, batch_size: int | None, per_pro
     )
 
 
+def multi_turn_of(rows: RowAdapters | None, active: str) -> tuple[str, dict[str, torch.Tensor] | None]:
+    """How a forward lays out conversations (`multi_turn`): the setting of the active adapter, or of the rows'
+    adapters; with the rows of each setting where they differ (`forward_per_setting`)."""
+    if rows is None:
+        return active, None
+    parts = rows.rows_by("multi_turn")
+    return (next(iter(parts)) or active), (parts if len(parts) > 1 else None)  # `None`: only "__base__" rows
+
+
 def forward_per_setting(
-    forward: Callable[..., Any], parts: dict[Any, torch.Tensor], rows: RowAdapters, arguments: dict[str, Any],
-    num_items_in_batch: Any,
+    forward: Callable[..., Any], parts: dict[Any, torch.Tensor], rows: RowAdapters, inputs: Any,
+    arguments: dict[str, Any], num_items_in_batch: Any,
 ) -> Any:
     """The one fallback of a mixed-adapter forward: adapters that lay a conversation out differently (`multi_turn`)
     run one `forward` per setting over their rows (`parts`); the logits go back in row order and the losses, each
-    divided by the supervised tokens of the whole batch (`num_items_in_batch`), add up."""
+    divided by the supervised tokens of the whole batch (counted in the checked `inputs`), add up."""
+    if inputs.labels is not None and num_items_in_batch is None:
+        num_items_in_batch = (inputs.labels != IGNORE_INDEX).sum()
     logits, loss = None, None
     for subset in parts.values():
         output = forward(**{name: value[subset.to(value.device)] if isinstance(value, torch.Tensor) else value
@@ -269,10 +285,12 @@ def refuse_base_rows_over_bitune_cache(rows: RowAdapters | None, bitune_cache: b
         )
 
 
-def base_rows_read_once(inputs: Any, rows: RowAdapters) -> Any:
+def base_rows_read_once(inputs: Any, rows: RowAdapters | None) -> Any:
     """Checked training inputs (`checks.TrainingInputs`) in which each `"__base__"` row is one instruction token and
     then an answer: read once, causally, as the base model reads it, with logits at every position. Its labels keep
     supervising exactly what they did."""
+    if rows is None or not rows.has_base_rows:
+        return inputs
     base = torch.tensor([name == BASE_ADAPTER for name in rows.names], device=inputs.valid.device)
     after_first = torch.arange(inputs.valid.shape[1], device=base.device)[None, :] > inputs.row_starts[:, None]
     return replace(inputs, is_answer=torch.where(base[:, None], inputs.valid & after_first, inputs.is_answer))

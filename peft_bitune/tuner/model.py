@@ -12,7 +12,6 @@ The route of the inputs through these modules is in the package's docstring (`tu
 from __future__ import annotations
 
 import copy
-import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -30,7 +29,6 @@ from ..constants import (
     BIDIRECTIONAL,
     BITUNE_PREFIX,
     CAUSAL,
-    IGNORE_INDEX,
     INNER_SEPARATOR,
     MIXERS_ATTRIBUTE,
     WEIGHT_SETS,
@@ -384,10 +382,6 @@ class BituneModel(BaseTuner):
             decoder_layer_paths=paths,
         )
 
-    def _passes_of(self, rows: RowAdapters | None) -> BitunePasses:
-        """The passes of a forward with each row's own adapter (`rows`), or with the active adapter."""
-        return self._passes() if rows is None else dataclasses.replace(self._passes(), rows=rows)
-
     # ------------------------------------------------------------------ mixed-adapter batches
     @contextmanager
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
@@ -453,12 +447,10 @@ class BituneModel(BaseTuner):
         kwargs[compat.NEW_CACHE_NAME] = cache
         cache = compat.pop_cache(kwargs)  # `cache`, or its old name `past_key_values`
         sequence = input_ids if input_ids is not None else inputs_embeds
-        rows = adapter_batches.row_adapters(self, adapter_names, None if sequence is None else sequence.shape[0])
+        rows = adapter_batches.row_adapters(self, adapter_names, None if sequence is None else sequence.shape[0],
+                                            fused_lm_head=fused_lm_head)
         disabled = self._adapters_disabled()
         if fused_lm_head:
-            if rows is not None:
-                raise ValueError("`adapter_names` cannot be combined with `fused_lm_head=True` (TRL's training head): "
-                                 "run each adapter's rows in a batch of their own, after `set_adapter`.")
             check_fused_call(labels, shift_labels, cache)
             ensure_fused_head(self.model)
             if disabled:  # the base model alone: its own fused head
@@ -487,22 +479,17 @@ class BituneModel(BaseTuner):
         )
         if fused_lm_head:
             check_rows_to_read(inputs)
-        modes = {self.peft_config[self.active_adapter].multi_turn: None} if rows is None else rows.rows_by(
-            "multi_turn")
-        if len(modes) > 1:  # adapters that lay a conversation out differently: one forward each
-            if labels is not None and num_items_in_batch is None:
-                num_items_in_batch = (inputs.labels != IGNORE_INDEX).sum()
-            arguments = dict(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                             labels=labels, prompt_mask=prompt_mask, **kwargs)
-            return adapter_batches.forward_per_setting(self.forward, modes, rows, arguments, num_items_in_batch)
-        mode = next(iter(modes)) or self.peft_config[self.active_adapter].multi_turn  # `None`: only "__base__" rows
-        if rows is not None and rows.has_base_rows:
-            inputs = adapter_batches.base_rows_read_once(inputs, rows)
+        mode, parts = adapter_batches.multi_turn_of(rows, self.peft_config[self.active_adapter].multi_turn)
+        if parts is not None:  # adapters that lay a conversation out differently: one forward each
+            given = dict(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                         labels=labels, prompt_mask=prompt_mask, **kwargs)
+            return adapter_batches.forward_per_setting(self.forward, parts, rows, inputs, given, num_items_in_batch)
+        inputs = adapter_batches.base_rows_read_once(inputs, rows)
         sequence = inputs.sequence
         layout = ConversationLayout.from_inputs(inputs, mode=mode, read_rows_without_answer=fused_lm_head)
         check_sharding(self._router.index.decoder_layer_paths, num_layers(self.model), self.mixer)
         with self._router.checkpointing_keeps_caches():
-            answer_outputs = self._passes_of(rows).run_layout(layout, sequence, fused_head=fused_lm_head)
+            answer_outputs = self._passes().for_rows(rows).run_layout(layout, sequence, fused_head=fused_lm_head)
         if fused_lm_head:
             return fused_output(layout, answer_outputs, sequence.shape[:2], num_items_in_batch)
         answer_logits = [output.logits for output in answer_outputs]
@@ -553,8 +540,8 @@ class BituneModel(BaseTuner):
         prompts = self._checked_prompts(input_ids, attention_mask, cache, rows=rows)
         with generation.checkpointing_off(self._router.index.checkpoint_layers):
             if cache is None:
-                return generation.prefill_cache(self._passes_of(rows), prompts)
-            generation.continue_conversation(self._passes_of(rows), cache, prompts)
+                return generation.prefill_cache(self._passes().for_rows(rows), prompts)
+            generation.continue_conversation(self._passes().for_rows(rows), cache, prompts)
             cache.remember_conversation(prompts.input_ids[:, :-1], prompts.attention_mask[:, :-1])
             return cache
 
@@ -615,7 +602,7 @@ class BituneModel(BaseTuner):
             with rows.routed(CAUSAL):  # no prompt to read twice: the base model's own `generate`
                 return self.model.generate(**kwargs)
         with generation.checkpointing_off(self._router.index.checkpoint_layers):
-            return generation.decode(self._passes_of(rows), prompts, cache, generation_config, kwargs)
+            return generation.decode(self._passes().for_rows(rows), prompts, cache, generation_config, kwargs)
 
     def _checked_prompts(
         self,
@@ -631,23 +618,17 @@ class BituneModel(BaseTuner):
         if cache is None:
             return check_prompts(input_ids, attention_mask, self._position_limit, inputs_embeds,
                                  sliding_window=self._sliding_window)
-        self._bitune_cache(cache)
+        if not isinstance(cache, BituneCache):
+            raise ValueError(
+                f"`cache` must be the cache of an earlier Bitune `generate` or `prefill` of this model "
+                f"(a BituneCache), got {type(cache).__name__}. Bitune needs to know where the previous answer ends."
+            )
         adapter_batches.refuse_base_rows_over_bitune_cache(rows, True)
         prompts = cache.checked_continuation(self.model, input_ids, attention_mask, self._position_limit,
                                              inputs_embeds)
         for name in [self.active_adapter] if rows is None else sorted(set(rows.names)):
             generation.check_history_continuation(self.peft_config[name].multi_turn, cache, prompts)
         return prompts
-
-    @staticmethod
-    def _bitune_cache(cache: Any) -> BituneCache:
-        """`cache` when it is a Bitune cache (a conversation to continue); refused otherwise."""
-        if not isinstance(cache, BituneCache):
-            raise ValueError(
-                f"`cache` must be the cache of an earlier Bitune `generate` or `prefill` of this model "
-                f"(a BituneCache), got {type(cache).__name__}. Bitune needs to know where the previous answer ends."
-            )
-        return cache
 
     # ------------------------------------------------------------------ checkpoint keys (PEFT's hooks)
     @classmethod

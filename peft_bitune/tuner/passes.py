@@ -84,6 +84,10 @@ class BitunePasses:
     decoder_layer_paths: Sequence[LayerPath]
     rows: RowAdapters | None = None
 
+    def for_rows(self, rows: RowAdapters | None) -> BitunePasses:
+        """These passes with each row's own adapter (`rows`), or as they are (`None`)."""
+        return self if rows is None else replace(self, rows=rows)
+
     def routed(self, weight_set: WeightSet) -> AbstractContextManager:
         """Run the model with weight set `weight_set`: the active adapter's, or each row's own."""
         return self.weights(weight_set) if self.rows is None else self.rows.routed(weight_set)
