@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from .. import compat
 from ..constants import BIDIRECTIONAL, IGNORE_INDEX
 from ..utils.base_model import decoder_of, text_config
 from ..utils.messages import first_true, format_rows
@@ -478,7 +479,7 @@ def check_bidirectional_attention(model: Any) -> None:
             f"causal whatever is asked, so Bitune would {how}. Use another model family, or set "
             "`second_pass_attention='causal'` in the BituneConfig."
         )
-    implementation = getattr(config, "_attn_implementation", None)
+    implementation = compat.attention_implementation(model)
     if getattr(config, "model_type", None) in _IS_CAUSAL_REACHES_EAGER_ONLY and implementation != "eager":
         raise ValueError(
             f"Bitune cannot tune {name} with `attn_implementation='{implementation}'`: its decoder layers do not "
