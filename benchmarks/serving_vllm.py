@@ -81,24 +81,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@contextlib.contextmanager
 def vllm_server(arguments: list[str], log_path: str):
-    """vLLM's OpenAI-compatible server in a subprocess; yields its base URL, stops it on exit."""
+    """vLLM's OpenAI-compatible server in a subprocess (see `running`)."""
     port = free_port()
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *arguments,
                "--served-model-name", "bench", "--port", str(port)]
+    return running(command, port, log_path)
+
+
+@contextlib.contextmanager
+def running(command: list[str], port: int, log_path: str):
+    """A server command in a subprocess; yields its base URL once /health answers, stops it on exit."""
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if server.poll() is not None:
-                raise RuntimeError(f"vLLM's server exited before it was ready; see {log_path}")
+                raise RuntimeError(f"The server exited before it was ready; see {log_path}")
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"vLLM's server was not ready within {START_TIMEOUT_S} s; see {log_path}")
+                raise TimeoutError(f"The server was not ready within {START_TIMEOUT_S} s; see {log_path}")
             time.sleep(1)
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -113,7 +118,8 @@ def one_client(client, text: str, max_tokens: int, extra: dict, start: threading
         model="bench", messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0,
         stream=True, **extra,
     ):
-        if chunk.choices and first is None:
+        # The first answer text (a server may send the role alone first, before the prefill).
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
             first = time.perf_counter()
         usage = chunk.usage or usage
     rows.append({"tokens": usage.completion_tokens, "ttft_s": first - began})
@@ -205,7 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"== {arm}", flush=True)
             cells = result["arms"].setdefault(arm, {})
             if arm == "bitune_serve":
-                measure_bitune_serve(base, bitune_adapter, tokenizer, template, text, args, cells)
+                measure_bitune_serve(base, bitune_adapter, template_path, text, args, cells,
+                                     os.path.join(folder, f"{arm}.log"))
             else:
                 # Every answer of `--max-tokens` tokens, and the count in the stream's last chunk.
                 extra = {"stream_options": {"include_usage": True}, "extra_body": {"ignore_eos": True}}
@@ -238,23 +245,20 @@ class _Named:
         return self._client.chat.completions.create(**{**kwargs, "model": self._model})
 
 
-def measure_bitune_serve(base: str, adapter: str, tokenizer, template: str, text: str, args, cells: dict) -> None:
-    """The Bitune adapter on `bitune-serve` in this process (float32, EOS disabled), no conversation cache."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from benchmarks.serving_reuse import start_server
-    from peft_bitune.serving.settings import BatchLimits
-
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
+def measure_bitune_serve(base: str, adapter: str, template_path: str, text: str, args, cells: dict,
+                         log_path: str) -> None:
+    """The Bitune adapter on `bitune-serve` (its command, in its own process, float32, its default batch size unless
+    `--max-batch-size`), keeping no conversations."""
     import openai
 
-    limits = BatchLimits() if args.max_batch_size is None else BatchLimits(max_batch_size=args.max_batch_size)
-    with contextlib.ExitStack() as stack:
-        _, client = start_server(stack, model, tokenizer, template, 0, limits)
-        client = openai.OpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0, timeout=args.timeout)
+    port = free_port()
+    command = [os.path.join(os.path.dirname(sys.executable), "bitune-serve"), "--model", base, "--adapter", adapter,
+               "--chat-template", template_path, "--dtype", "float32", "--cache-memory-mb", "0",
+               "--served-model-name", "bench", "--port", str(port)]
+    if args.max_batch_size is not None:
+        command += ["--max-batch-size", str(args.max_batch_size)]
+    with running(command, port, log_path) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=args.timeout)
         measure_arm(client, text, args.clients, args.max_tokens, {}, cells)
 
 
@@ -265,8 +269,9 @@ def table(result: dict) -> str:
         for arm, cells in result["arms"].items():
             cell = cells.get(str(count))
             if cell is None or "tokens_per_s" not in cell:
-                lines.append(f"| {count} | {arm} | not measured | | |" if cell is None else
-                             f"| {count} | {arm} | timed out after {cell['timed_out_after_s']:.0f} s | | |")
+                timed_out = cell is not None and "timed_out_after_s" in cell
+                what = f"timed out after {cell['timed_out_after_s']:.0f} s" if timed_out else "not measured"
+                lines.append(f"| {count} | {arm} | {what} | | |")
                 continue
             lines.append(f"| {count} | {arm} | {cell['tokens_per_s']:.1f} | {cell['ttft_median_s'] * 1e3:.0f} | "
                          f"{cell['ttft_p90_s'] * 1e3:.0f} |")
