@@ -149,12 +149,3 @@ class BituneQwen3ForCausalLM(BituneMixin, Qwen3ForCausalLM):
 class BituneGemma3ForCausalLM(BituneMixin, Gemma3ForCausalLM):
     """Gemma 3 (text) with Bitune's prefill, sliding-window layers included."""
 
-
-# The transformers architecture of a base model -> the Bitune class that serves it.
-ARCHITECTURES = {
-    "LlamaForCausalLM": BituneLlamaForCausalLM,
-    "MistralForCausalLM": BituneMistralForCausalLM,
-    "Qwen2ForCausalLM": BituneQwen2ForCausalLM,
-    "Qwen3ForCausalLM": BituneQwen3ForCausalLM,
-    "Gemma3ForCausalLM": BituneGemma3ForCausalLM,
-}
