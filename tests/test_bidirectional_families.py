@@ -107,6 +107,8 @@ REFUSALS = {
     "xlstm": "recurrent model whose cache is its own recurrent state",
     "rwkv": "recurrent model whose cache is its own recurrent state",
     "modernbert_decoder": r"`get_decoder\(\)` returns a Linear, not the decoder stack",
+    # Before: accepted with a causal second pass, then `IndexError` at the first prefill.
+    "gpt_neox_japanese": "decoder layers are not transformers' `GradientCheckpointingLayer`s",
 }
 
 
@@ -116,6 +118,8 @@ def test_families_that_fail_at_the_first_forward_are_refused_at_get_peft_model(n
     ModernBERT-decoder with `Linear.forward() got an unexpected keyword argument 'cache'`."""
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(unsupported_configs()[name])
-    with pytest.raises(ValueError, match=f"Bitune cannot tune {type(base).__name__}: .*{REFUSALS[name]}"):
-        get_peft_model(base, BituneConfig(adapter_config=LoraConfig(r=4, target_modules="all-linear")))
+    for second_pass_attention in ("bidirectional", "causal"):
+        with pytest.raises(ValueError, match=f"Bitune cannot tune {type(base).__name__}: .*{REFUSALS[name]}"):
+            get_peft_model(base, BituneConfig(adapter_config=LoraConfig(r=4, target_modules="all-linear"),
+                                              second_pass_attention=second_pass_attention))
     assert not any("lora_" in n for n, _ in base.named_parameters()), "weights were created before the refusal"

@@ -94,7 +94,6 @@ def causal_only_configs() -> dict:
         BloomConfig,
         FalconConfig,
         GPTNeoConfig,
-        GPTNeoXJapaneseConfig,
         Llama4TextConfig,
         MptConfig,
         NemotronConfig,
@@ -107,9 +106,6 @@ def causal_only_configs() -> dict:
         "falcon": (FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **TEXT), "sdpa"),
         "gpt_neo": (GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global"], 2]],
                                  max_position_embeddings=256, **TEXT), "eager"),
-        "gpt_neox_japanese": (GPTNeoXJapaneseConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                                    intermediate_multiple_size=2, max_position_embeddings=256,
-                                                    **TEXT), "eager"),
         # Chunked attention: chunks of 4 tokens, so that a prompt crosses them.
         "llama4_text": (Llama4TextConfig(num_key_value_heads=2, head_dim=8, intermediate_size_mlp=64,
                                          num_local_experts=2, attention_chunk_size=4, **LAYERS, **TEXT), "sdpa"),
@@ -125,8 +121,10 @@ def eager_only_configs() -> dict:
 
 def unsupported_configs() -> dict:
     """Tiny configs of families that fail at their first forward under Bitune, refused at `get_peft_model`: recurrent
-    models with caches of their own, and ModernBERT-decoder, whose `get_decoder()` is its output projection."""
-    from transformers import ModernBertDecoderConfig, RwkvConfig, xLSTMConfig
+    models with caches of their own, ModernBERT-decoder, whose `get_decoder()` is its output projection, and
+    GPT-NeoX-Japanese, whose layers are not transformers' `GradientCheckpointingLayer`s (its bidirectional pass would
+    also run causally)."""
+    from transformers import GPTNeoXJapaneseConfig, ModernBertDecoderConfig, RwkvConfig, xLSTMConfig
 
     return {
         "xlstm": xLSTMConfig(hidden_size=32, num_hidden_layers=2, num_heads=4, **TEXT),
@@ -134,4 +132,6 @@ def unsupported_configs() -> dict:
                            context_length=64, **TEXT),
         "modernbert_decoder": ModernBertDecoderConfig(cls_token_id=3, sep_token_id=4, local_attention=6,
                                                       global_attn_every_n_layers=2, **LAYERS, **TEXT),
+        "gpt_neox_japanese": GPTNeoXJapaneseConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                   intermediate_multiple_size=2, max_position_embeddings=256, **TEXT),
     }

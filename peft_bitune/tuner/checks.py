@@ -432,16 +432,25 @@ _OWN_STATE_CACHES = ("rwkv", "xlstm")
 
 
 def check_decoder_stack(model: Any) -> None:
-    """Refuse a model whose `get_decoder()` is not its decoder stack: Bitune runs its prompt passes through it.
-    ModernBERT-decoder's returns its output projection (an `nn.Linear` named `decoder`), which fails at the first
-    forward (`Linear.forward() got an unexpected keyword argument 'cache'`)."""
+    """Refuse a model whose `get_decoder()` is not its decoder stack, or whose layers Bitune cannot find: Bitune runs
+    its prompt passes through them. ModernBERT-decoder's returns its output projection (an `nn.Linear` named
+    `decoder`), which fails at the first forward (`Linear.forward() got an unexpected keyword argument 'cache'`)."""
     from transformers import PreTrainedModel
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
     decoder = decoder_of(model)
     if not isinstance(decoder, PreTrainedModel):
         raise ValueError(
             f"Bitune cannot tune {type(model).__name__}: its `get_decoder()` returns a {type(decoder).__name__}, not "
             "the decoder stack its prompt passes run through. Use another model family (plain LoRA can tune this one)."
+        )
+    # Each decoder layer is found as transformers' `GradientCheckpointingLayer` (`routing.ModuleIndex`): where a
+    # prompt pass ends, and what a checkpointed step reads layer by layer. GPT-NeoX-Japanese's layers are not.
+    if not any(isinstance(module, GradientCheckpointingLayer) for module in decoder.modules()):
+        raise ValueError(
+            f"Bitune cannot tune {type(model).__name__}: its decoder layers are not transformers' "
+            "`GradientCheckpointingLayer`s, by which Bitune finds each layer of its passes (an older modelling file). "
+            "Use another model family (plain LoRA can tune this one)."
         )
 
 
