@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("peft_bitune", "trl_integration")
+PACKAGES = ("peft_bitune", "trl_integration", "vllm_integration")
 # Names that several modules define on purpose: each command-line module's entry point, each module's own logger.
 SHARED_BY_DESIGN = {"main", "logger"}
 
