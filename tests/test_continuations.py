@@ -51,17 +51,23 @@ def test_a_forward_over_an_unpadded_prefill_needs_no_attention_mask(load_base):
     torch.testing.assert_close(logits[:, -1], expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("where", ["prompt", "answer"])
-def test_a_conversation_that_drops_an_earlier_real_token_is_refused(load_base, where):
-    """The cached keys/values after a token were computed with it in view: the history cannot read as if it were
-    absent (before: an answer that matched neither the conversation with the token nor without it)."""
+def a_first_turn_and_the_next(load_base):
+    """A model, the width of its first prompts, the output of their first turn and the conversation that continues it
+    with a new instruction."""
     model = make_bitune(load_base("llama")).eval()
     batch = prompts(lengths=(6, 6))
     first = model.generate(**batch, max_new_tokens=3, **GREEDY)
     new = torch.randint(3, VOCAB, (2, 3), generator=torch.Generator().manual_seed(5))
-    conversation = torch.cat([first.sequences, new], dim=1)
+    return model, batch["input_ids"].shape[1], first, torch.cat([first.sequences, new], dim=1)
+
+
+@pytest.mark.parametrize("where", ["prompt", "answer"])
+def test_a_conversation_that_drops_an_earlier_real_token_is_refused(load_base, where):
+    """The cached keys/values after a token were computed with it in view: the history cannot read as if it were
+    absent (before: an answer that matched neither the conversation with the token nor without it)."""
+    model, prompt_width, first, conversation = a_first_turn_and_the_next(load_base)
     mask = torch.ones_like(conversation)
-    mask[1, 2 if where == "prompt" else batch["input_ids"].shape[1] + 1] = 0
+    mask[1, 2 if where == "prompt" else prompt_width + 1] = 0
     with pytest.raises(ValueError, match="drops column"):
         model.generate(input_ids=conversation, attention_mask=mask, cache=compat.output_cache(first),
                        max_new_tokens=2, **GREEDY)
@@ -70,11 +76,7 @@ def test_a_conversation_that_drops_an_earlier_real_token_is_refused(load_base, w
 def test_padding_after_an_answer_that_ended_may_still_be_dropped(load_base):
     """What may be dropped: the end of a row's history (e.g. the padding `generate` feeds a finished row), which no
     later cached token has seen."""
-    model = make_bitune(load_base("llama")).eval()
-    batch = prompts(lengths=(6, 6))
-    first = model.generate(**batch, max_new_tokens=3, **GREEDY)
-    new = torch.randint(3, VOCAB, (2, 3), generator=torch.Generator().manual_seed(5))
-    conversation = torch.cat([first.sequences, new], dim=1)
+    model, _, first, conversation = a_first_turn_and_the_next(load_base)
     mask = torch.ones_like(conversation)
     mask[1, first.sequences.shape[1] - 2 : first.sequences.shape[1]] = 0
     output = model.generate(input_ids=conversation, attention_mask=mask, cache=compat.output_cache(first),
