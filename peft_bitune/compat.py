@@ -11,10 +11,9 @@ Everything peft-bitune needs from other libraries beyond their public API, decid
 2. Private attributes and methods of transformers, PEFT, torch, accelerate, bitsandbytes and TRL that Bitune must read
    or set because no public interface does what it needs: routing PEFT's layers to one weight set, keeping caches in
    checkpointed layers, one more position in the generation cache's sliding-window layers, transformers' own
-   resolution of generation arguments, finding hooks around a module's forward, torch checkpoint's record of
-   the autocast state, adding a member to PEFT's closed
-   `PeftType` enum, keeping bitsandbytes' 4-bit layers out of their CPU inference layout, splitting `bitune-sft`'s
-   command line as `trl sft` does. Each one has a test in
+   resolution of generation arguments, finding hooks around a module's forward, torch checkpoint's record of the
+   autocast state, adding a member to PEFT's closed `PeftType` enum, keeping bitsandbytes' 4-bit layers out of their
+   CPU inference layout, splitting `bitune-sft`'s command line as `trl sft` does. Each one has a test in
    tests/test_private_interfaces.py that fails with a clear message when an upgrade moves it.
 
 Every other module uses these through the functions here. Overrides of other libraries' private methods must live
