@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,38 +66,27 @@ def row_cache(
     return cache
 
 
+@dataclass(eq=False)  # compared and hashed by identity, as any stopping criterion
 class RowStops(StoppingCriteria):
     """
     Ends each row of a batch on its own: at its own `max_tokens`, at an end-of-sequence token, at one of its stop
     strings, or once its client has left. `lengths[i]` is how many tokens row i had generated when it ended (None
     while it runs); `generate` then feeds it padding until every row has ended, which nothing uses.
 
-    Args:
-        prompt_width (`int`): the columns of the padded prompts.
-        max_new_tokens (`list[int]`): per row, the most tokens it may generate.
-        eos_ids (`set[int]`): the end-of-sequence token ids.
-        stop_criteria (`list`): per row, a `streaming.StopStrings` of its stop strings, or None.
-        cancelled (`list`): per row, a `threading.Event` set when its client left, or None.
-        on_end (`Callable[[int, torch.Tensor], None]`, *optional*): called with a row and the sequences so far once
-            that row has ended (the batch's cache then holds the row's columns up to its last token but one).
+    `max_new_tokens`, `stop_criteria` (a `streaming.StopStrings` or None) and `cancelled` (a `threading.Event` set
+    when the client left, or None) are per row. `on_end(row, sequences)` is called once a row has ended (the batch's
+    cache then holds the row's columns up to its last token but one).
     """
 
-    def __init__(
-        self,
-        prompt_width: int,
-        max_new_tokens: list[int],
-        eos_ids: set[int],
-        stop_criteria: list[StopStrings | None],
-        cancelled: list[threading.Event | None],
-        on_end: Callable[[int, torch.Tensor], None] | None = None,
-    ) -> None:
-        self.prompt_width = prompt_width
-        self.max_new_tokens = max_new_tokens
-        self.eos_ids = eos_ids
-        self.stop_criteria = stop_criteria
-        self.cancelled = cancelled
-        self.on_end = on_end
-        self.lengths: list[int | None] = [None] * len(max_new_tokens)
+    prompt_width: int  # the columns of the padded prompts
+    max_new_tokens: list[int]
+    eos_ids: set[int]
+    stop_criteria: list[StopStrings | None]
+    cancelled: list[threading.Event | None]
+    on_end: Callable[[int, torch.Tensor], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.lengths: list[int | None] = [None] * len(self.max_new_tokens)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
         generated = input_ids.shape[1] - self.prompt_width

@@ -7,11 +7,9 @@ values are exactly those of that layout (`conversations.py`), crops the rest awa
 segment (each instruction twice, mixed, over the cache so far; answers causally) and decodes. So an answer never
 depends on what the server happened to keep: a full prefill is the same computation with nothing reused.
 
-All model work runs on one worker thread (`worker.ModelWorker`). Requests that arrive while it is busy are answered
-together in its next batch (`batching.py`): each prompt is read alone, exactly as unbatched, and only decoding is
-batched, over the caches left-padded together. Batches are static (they decode until their longest answer ends):
-continuous batching would need a decoding loop of our own instead of transformers' `generate`. The engine knows
-nothing about HTTP; `app.py` turns requests into `ChatRequest`s and results into OpenAI responses.
+All model work runs on one worker thread (`worker.py`), which answers the requests that arrived while it was busy in
+one batch (`batching.py`: each prompt read alone, only decoding batched). Batches are static: continuous batching
+would need a decoding loop of our own instead of transformers' `generate`. HTTP is `app.py`'s.
 """
 
 from __future__ import annotations
@@ -40,26 +38,15 @@ from .worker import ModelWorker
 
 @dataclass
 class ChatRequest:
-    """
-    One chat completion, validated and laid out.
+    """One chat completion, validated and laid out. A `seed` seeds torch right before the request's generation, and
+    the request is then answered alone, so that its random stream is its own."""
 
-    Args:
-        prompt (`Prompt`): the conversation's token ids and segments, ending with the assistant's header.
-        generation_config (`GenerationConfig`): sampling settings of the request.
-        max_tokens (`int`, *optional*): the most tokens to generate; `None` for as many as the model's positions
-            leave.
-        stop (`list[str]`): strings that end the answer; the answer returned stops before the first one.
-        seed (`int`, *optional*): seeds torch right before this request's generation (a seeded request is answered
-            alone, so that the random stream is its own).
-        partition (`Hashable`): whose kept conversations this request may reuse (see `conversations.py`).
-    """
-
-    prompt: Prompt
-    generation_config: Any
-    max_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
+    prompt: Prompt  # the conversation's token ids and segments, ending with the assistant's header
+    generation_config: Any  # the request's sampling settings
+    max_tokens: int | None = None  # None: as many as the model's positions leave
+    stop: list[str] = field(default_factory=list)  # strings that end the answer (returned without them)
     seed: int | None = None
-    partition: Hashable = None
+    partition: Hashable = None  # whose kept conversations this request may reuse (see `conversations.py`)
 
 
 @dataclass
@@ -94,19 +81,12 @@ class _Read:
 
 class ChatEngine:
     """
-    A Bitune `PeftModel`, its tokenizer and chat template, the kept conversations, and the one worker thread.
+    A Bitune `PeftModel` in eval mode, its tokenizer and chat template (`chat_template` overrides the tokenizer's own;
+    one of the two is required), the kept conversations (`cache_budget_bytes`; 0: every turn a full prefill), and the
+    one worker thread, which answers waiting requests together within `limits`.
 
-    The chat template is compiled and tried once here, on a plain conversation: a template that fails, or, for an
-    alternating adapter, one without `{% generation %}` markers that TRL cannot add them to (TRL cannot train such an
-    adapter's conversations on it), is refused before any request (`ValueError`).
-
-    Args:
-        model (`PeftModel`): the base model with a Bitune adapter, in eval mode.
-        tokenizer: its tokenizer.
-        chat_template (`str`, *optional*): a Jinja chat template overriding the tokenizer's own; one of the two is
-            required.
-        cache_budget_bytes (`int`): memory for kept conversation caches (0: none kept, every turn a full prefill).
-        limits (`BatchLimits`, *optional*): how many waiting requests are answered together (default: `BatchLimits()`).
+    The chat template is tried once here, so that one that fails, or that an alternating adapter cannot have been
+    trained with (no `{% generation %}` markers, and none TRL can add), is refused before any request (`ValueError`).
     """
 
     def __init__(
@@ -147,12 +127,9 @@ class ChatEngine:
         self.worker = ModelWorker()
 
     def fewest_tokens(self, messages: list[dict]) -> int:
-        """
-        The fewest tokens `messages` can take once rendered, known without rendering them (so that a conversation
-        that cannot fit is refused before any rendering, in time linear in the request): a template writes at least
-        one token per message and every message's text, and one token holds at most `chars_per_token` characters
-        (the longest token of the vocabulary).
-        """
+        """The fewest tokens `messages` can take once rendered, known without rendering them (so that a conversation
+        that cannot fit is refused in time linear in the request): a template writes at least one token per message
+        and every message's text, and one token holds at most the vocabulary's longest token's characters."""
         characters = sum(len(message["content"]) for message in messages)
         return max(len(messages), -(-characters // self.chars_per_token))
 
@@ -166,12 +143,10 @@ class ChatEngine:
         self, request: ChatRequest, streamer: Any = None, cancelled: threading.Event | None = None
     ) -> Future:
         """
-        Queue a request on the worker; returns the future of its `ChatResult` (None if its client left first).
-
-        Requests queued while the worker is busy are answered together in its next batch, where they may share one
-        (`can_join`). `streamer` receives the answer's tokens as they come (`streaming.TextStream`). Once `cancelled`
-        is set (the client left), the request's row ends at the next token, is no longer streamed, and its
-        conversation is not kept; if it was set before the request started, no work is done for it at all.
+        Queue a request on the worker (answered in its next batch, with the waiting requests that `can_join` it);
+        returns the future of its `ChatResult` (None if its client left first). `streamer` receives the answer's
+        tokens as they come (`streaming.TextStream`). Once `cancelled` is set (the client left), the request's row
+        ends at the next token, unstreamed and not kept; set before the request started, no work is done for it.
         """
         return self.worker.submit_item(self, _Row(request, streamer, cancelled, _sampling_settings(request)))
 
@@ -185,12 +160,9 @@ class ChatEngine:
         return result
 
     def can_join(self, batch: list[_Row], row: _Row) -> bool:
-        """
-        Whether `row` may be answered in one batch with `batch`: within `limits`, the same sampling settings, no
-        `seed` (a seeded request is answered alone, so that its random stream is its own: the same answer whatever
-        else is waiting), a model without sliding-window layers (whose caches cannot be padded), and a padded batch
-        that fits in the model's positions.
-        """
+        """Whether `row` may be answered in one batch with `batch`: within `limits`, the same sampling settings, no
+        `seed` (its answer must not depend on what else is waiting), no sliding-window layers (their caches cannot be
+        padded), and a padded batch that fits in the model's positions."""
         rows = [*batch, row]
         if not self.batchable or len(rows) > self.limits.max_batch_size:
             return False
@@ -211,13 +183,10 @@ class ChatEngine:
         self, rows: list[_Row], deliver: Callable[[int, Any], None] | None = None
     ) -> list[ChatResult | BaseException | None]:
         """
-        Answer rows together; runs on the worker thread. Returns one result per row: a `ChatResult`, None for a row
-        whose client left, or the exception of a row that failed. With `deliver`, a row's result is also handed to
-        `deliver(index, result)` as soon as the row has ended, while the batch decodes on for the others.
-
-        Each row's prompt is read alone (`read`, from its kept conversation where there is one), then all are decoded
-        in one `generate`. A row that fails after it took a kept conversation drops that conversation (its cache may
-        be half extended); requests are checked before they are queued, so that only an internal error can do this.
+        Answer rows together, on the worker thread: each row's prompt read alone (`read`, from its kept conversation
+        where there is one), then all decoded in one `generate`. One result per row: a `ChatResult`, None for a row
+        whose client left, or the exception of a row that failed (which drops the kept conversation it took: its
+        cache may be half extended). `deliver(index, result)` gets a row's result as soon as the row has ended.
         """
         results: list[ChatResult | BaseException | None] = [None] * len(rows)
         ready: list[tuple[int, _Read]] = []
@@ -359,6 +328,4 @@ def _sampling_settings(request: ChatRequest) -> dict:
 
 def _eos_ids(generation_config: Any) -> set[int]:
     eos = generation_config.eos_token_id
-    if eos is None:
-        return set()
-    return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
+    return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos or ()}

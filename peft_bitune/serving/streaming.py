@@ -13,6 +13,7 @@ strings' capped lengths, and they keep nothing beyond their request.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,12 +42,10 @@ def incremental_decoder(tokenizer: Any) -> IncrementalDecoder | WindowDecoder:
 
 class IncrementalDecoder:
     """
-    Decodes token ids into text as they come, with tokenizers' `DecodeStream` (TGI's incremental detokenization, in
-    Rust): a token that completes a character only with the next one (a byte of UTF-8, a word piece) waits for it,
-    each token costs the same however long the answer grows, and the pieces add up to `answer_text`.
-
-    Args:
-        backend (`tokenizers.Tokenizer`): the Rust tokenizer (`tokenizer.backend_tokenizer`).
+    Decodes token ids into text as they come, with tokenizers' `DecodeStream` over the Rust tokenizer `backend` (TGI's
+    incremental detokenization): a token that completes a character only with the next one (a byte of UTF-8, a word
+    piece) waits for it, each token costs the same however long the answer grows, and the pieces add up to
+    `answer_text`.
     """
 
     def __init__(self, backend: Any) -> None:
@@ -97,14 +96,8 @@ class WindowDecoder:
 
 
 class TextStream(BaseStreamer):
-    """
-    Decodes the tokens `generate` produces into text, incrementally (`IncrementalDecoder`), and calls `on_text` with
-    each new piece. The first `put` holds the prompt and is skipped.
-
-    Args:
-        tokenizer: the model's tokenizer (its `backend_tokenizer`, or else `decode(ids, skip_special_tokens=...)`).
-        on_text (`Callable[[str], None]`): called with each new piece of text, on the thread that runs `generate`.
-    """
+    """Decodes the tokens `generate` produces into text, incrementally (`incremental_decoder`), and calls `on_text`
+    with each new piece, on the thread that runs `generate`. The first `put` holds the prompt and is skipped."""
 
     def __init__(self, tokenizer: Any, on_text: Callable[[str], None]) -> None:
         self.decoder = incremental_decoder(tokenizer)
@@ -123,19 +116,14 @@ class TextStream(BaseStreamer):
         which the caller sends after the stream (see `app.py`)."""
 
 
+@dataclass(eq=False)
 class RowStreams(BaseStreamer):
-    """
-    The streamer of a batch: row i's prompt and then its tokens go to `streams[i]` (None: a row nobody streams), up to
-    and including the token that ended the row; the padding `generate` feeds a row after it ended is not streamed.
+    """The streamer of a batch: row i's prompt and then its tokens go to `streams[i]` (None: a row nobody streams), up
+    to and including the token that ended the row (`ended(i)`: `RowStops`, which runs after each token is streamed);
+    the padding `generate` feeds a row after it ended is not streamed."""
 
-    Args:
-        streams (`list`): per row, a streamer (e.g. a `TextStream`) or None.
-        ended (`Callable[[int], bool]`): whether row i has ended (`RowStops`, which runs after each token is streamed).
-    """
-
-    def __init__(self, streams: list[BaseStreamer | None], ended: Callable[[int], bool]) -> None:
-        self.streams = streams
-        self.ended = ended
+    streams: list[BaseStreamer | None]
+    ended: Callable[[int], bool]
 
     def put(self, value: torch.Tensor) -> None:
         for row, stream in enumerate(self.streams):

@@ -10,7 +10,7 @@ starts the next batch, so a job that cannot join a batch waits at most one batch
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import threading
 from collections import Counter, deque
 from collections.abc import Callable
@@ -35,9 +35,7 @@ class Batcher(Protocol):
 @dataclass
 class _Job:
     future: Future
-    function: Callable[..., Any] | None = None  # a plain job ...
-    args: tuple = ()
-    kwargs: dict | None = None
+    function: Callable[[], Any] | None = None  # a plain job ...
     batcher: Batcher | None = None  # ... or a batchable one
     item: Any = None
 
@@ -62,15 +60,11 @@ class ModelWorker:
 
     def submit(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         """Queue `function(*args, **kwargs)`, to run alone; returns the future of its result."""
-        return self._put(_Job(Future(), function, args, kwargs))
+        return self._put(_Job(Future(), functools.partial(function, *args, **kwargs)))
 
     def submit_item(self, batcher: Batcher, item: Any) -> Future:
         """Queue `item`, to be answered by `batcher.run_batch` with whatever may join it; returns its future."""
         return self._put(_Job(Future(), batcher=batcher, item=item))
-
-    def async_submit(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:
-        """`submit`, awaitable from the running event loop."""
-        return asyncio.wrap_future(self.submit(function, *args, **kwargs))
 
     def batch_size_counts(self) -> dict[str, int]:
         """`batch_sizes` as JSON writes it (`/health`, the throughput benchmark): sizes as strings, smallest first."""
@@ -128,7 +122,7 @@ class ModelWorker:
         if not job.future.set_running_or_notify_cancel():
             return
         try:
-            result = job.function(*job.args, **job.kwargs)
+            result = job.function()
         except BaseException as error:  # handed to whoever waits for the job; the worker goes on
             job.future.set_exception(error)
         else:
