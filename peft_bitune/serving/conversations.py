@@ -33,15 +33,9 @@ from .prompts import Prompt
 
 @dataclass
 class KeptConversation:
-    """
-    One conversation whose cache the server keeps.
-
-    Args:
-        prompt (`Prompt`): the conversation the cache stands for, laid out as the adapter reads it: the request's
-            prompt, then the answer as generated (its last token is the one the cache does not hold yet).
-        cache (`BituneCache`): the conversation's mixed cache.
-        partition (`Hashable`): who may reuse it (see the module docstring).
-    """
+    """One conversation whose mixed cache the server keeps: `prompt` is the conversation the cache stands for, laid
+    out as the adapter reads it (the request's prompt, then the answer as generated, whose last token the cache does
+    not hold yet); `partition` is who may reuse it (see the module docstring)."""
 
     prompt: Prompt
     cache: BituneCache
@@ -97,24 +91,16 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 def cache_nbytes(cache: BituneCache) -> int:
     """Bytes held by a cache's keys and values."""
-    total = 0
-    for layer in cache.layers:
-        for tensor in (layer.keys, layer.values):
-            if tensor is not None:
-                total += tensor.numel() * tensor.element_size()
-    return total
+    tensors = (tensor for layer in cache.layers for tensor in (layer.keys, layer.values) if tensor is not None)
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 class ConversationStore:
     """
-    Kept conversations under a memory budget, least recently used dropped first.
-
-    `take` hands a kept conversation over to the request that reuses it (it leaves the store: `generate` extends the
-    cache in place, and the result is kept again as a new conversation). A conversation that is never reused stays
-    until the budget needs its room.
-
-    Args:
-        max_bytes (`int`): the budget for all kept caches together; 0 keeps nothing (every request is a full prefill).
+    Kept conversations under a memory budget for all their caches together (`max_bytes`; 0 keeps nothing, every
+    request is a full prefill), least recently used dropped first. `take` hands a kept conversation over to the
+    request that reuses it (it leaves the store: `generate` extends the cache in place, and the result is kept again
+    as a new conversation); one that is never reused stays until the budget needs its room.
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -137,13 +123,11 @@ class ConversationStore:
         """Remove and return the kept conversation of `partition` that holds the most of `prompt`, and how many of
         its tokens it holds (see `KeptConversation.reusable_length`); `(None, 0)` if none holds any."""
         with self._lock:
-            best_key, best_length = None, 0
-            for key, kept in self._kept.items():
-                if kept.partition == partition:
-                    length = kept.reusable_length(prompt)
-                    if length > best_length:
-                        best_key, best_length = key, length
-            if best_key is None:
+            lengths = {key: kept.reusable_length(prompt) for key, kept in self._kept.items()
+                       if kept.partition == partition}
+            best_key = max(lengths, key=lengths.__getitem__, default=None)  # the first of the longest
+            best_length = 0 if best_key is None else lengths[best_key]
+            if best_length == 0:
                 return None, 0
             best = self._kept.pop(best_key)
             self._nbytes -= best.nbytes

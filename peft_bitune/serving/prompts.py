@@ -36,14 +36,9 @@ class PromptLayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Prompt:
-    """
-    A conversation's token ids and its segments, in the order Bitune reads them.
-
-    Args:
-        token_ids (`list[int]`): the rendered conversation, ending with the generation prompt, tokenized as one text.
-        segment_ends (`tuple[int, ...]`): where each segment ends; segments alternate, instruction first (even
-            indices instructions, odd indices answers), and the last one ends at `len(token_ids)`.
-    """
+    """A conversation's token ids (rendered, ending with the generation prompt, tokenized as one text) and where each
+    of its segments ends, in the order Bitune reads them: instruction first (even indices instructions, odd indices
+    answers), the last one ending at `len(token_ids)`."""
 
     token_ids: list[int]
     segment_ends: tuple[int, ...]
@@ -79,14 +74,10 @@ class Prompt:
 
 class PromptBuilder:
     """
-    Renders conversations with the chat template training used and lays them out for the adapter's multi-turn scheme.
-
-    Args:
-        tokenizer: the model's tokenizer.
-        chat_template (`str`, *optional*): a Jinja chat template overriding the tokenizer's own. Where TRL's
-            `SFTTrainer` would swap in its training template for it (`training_chat_template`), that one is used.
-        multi_turn (`str`): the adapter's `multi_turn`, `"alternating"` or `"history"`. An alternating adapter needs
-            a template with `{% generation %}` markers, or one TRL adds them to: another raises `PromptLayoutError`.
+    Renders conversations with the chat template training used (`chat_template` overrides the tokenizer's own; where
+    TRL's `SFTTrainer` would swap in its training template, `training_chat_template`, that one is used) and lays them
+    out for the adapter's `multi_turn`. An alternating adapter needs a template with `{% generation %}` markers, or
+    one TRL adds them to: another raises `PromptLayoutError`.
     """
 
     def __init__(self, tokenizer: Any, chat_template: str | None, multi_turn: MultiTurnMode):
@@ -114,7 +105,8 @@ class PromptBuilder:
         """The conversation's prompt. Raises jinja2's `TemplateError` if the template refuses the messages, and
         `PromptLayoutError` if it opens with an answer (training refuses such a row)."""
         if self.multi_turn == "history" or not any(message["role"] == "assistant" for message in messages):
-            token_ids = self._tokenize(self.render(messages))
+            # The template writes the special tokens (e.g. BOS) itself, as in transformers' `apply_chat_template`.
+            token_ids = self.tokenizer(self.render(messages), add_special_tokens=False)["input_ids"]
             return Prompt(token_ids, (len(token_ids),))
         encoded = self.tokenizer.apply_chat_template(
             messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=True, return_dict=True,
@@ -132,10 +124,6 @@ class PromptBuilder:
                 f"The chat template's rendering of {PROBE_CONVERSATION} has {len(prompt.segment_ends) // 2} answers "
                 "where the assistant wrote one."
             )
-
-    def _tokenize(self, text: str) -> list[int]:
-        # The template writes the special tokens (e.g. BOS) itself, as in transformers' `apply_chat_template`.
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def training_chat_template(tokenizer: Any, chat_template: str | None) -> str:
