@@ -1,15 +1,10 @@
 """`bitune-sft`: TRL's `trl sft` command for Bitune adapters.
 
-It parses the same arguments with TRL's own parser and configs (`ScriptArguments`, the SFT training config,
-`ModelConfig`, `DatasetMixtureConfig`, `--config file.yaml`), plus the Bitune settings, and always trains a Bitune
-adapter (`--use_peft` is implied and hidden). The `--lora_*` flags configure the method of both weight sets; their
-defaults are Bitune's (LoRA r=8, alpha=16, no dropout, all linear layers) rather than `trl sft`'s (16, 32, 0.05,
-PEFT's per-architecture target modules). Like `trl sft`, it launches itself through `accelerate launch`: arguments
-that are not training arguments (`--num_processes`, `--config_file`, `--accelerate_config`) go to the launcher. When a
-training process fails, its error is the last line `bitune-sft` prints (not the launcher's), and the exit status is
-the process's. Flags that cannot work (a number that is not finite, a recipe option out of range, `--mixed_layers`
-that the model's depth, read from its config.json, does not have) are refused with one line before anything is
-launched or loaded; a dataset's empty data files and missing splits are refused by name before the model loads.
+It parses the same arguments with TRL's own parser and configs (and `--config file.yaml`), plus the Bitune settings,
+and always trains a Bitune adapter, whose two weight sets the `--lora_*` flags configure, with Bitune's defaults
+(`BituneModelConfig`). Like `trl sft`, it launches itself through `accelerate launch` (`main`). Flags that cannot
+work are refused with one line before anything is launched or loaded (`refuse_before_any_work`); a dataset's empty
+data files and missing splits by name before the model loads (`run`).
 
 ```bash
 bitune-sft --model_name_or_path Qwen/Qwen2-0.5B --dataset_name trl-lib/tldr --output_dir Qwen2-0.5B-Bitune \
@@ -31,6 +26,7 @@ import typing
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from peft import PeftConfig
@@ -163,8 +159,7 @@ class BituneSFTParser(TrlParser):
         }
 
 
-def make_parser(prog: str | None = "bitune-sft") -> TrlParser:
-    return BituneSFTParser(prog)
+make_parser = BituneSFTParser  # the name of TRL's scripts' parser factory
 
 
 def build_peft_config(model_args: ModelConfig, bitune_args: BituneArguments) -> BituneConfig:
@@ -178,13 +173,11 @@ def build_peft_config(model_args: ModelConfig, bitune_args: BituneArguments) -> 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """
-    `bitune-sft`: launch a training run through `accelerate launch`, the way `trl sft` does.
-
-    The arguments (`argv`, or the command line) that the training parser knows (and `--config`) go to the training
-    script, `python -m trl_integration.cli`; the others (`--num_processes`, `--config_file`, `--multi_gpu`, ... and
-    TRL's `--accelerate_config zero2|fsdp2|<file>`) go to `accelerate launch`. `--help` lists the training arguments.
-    When a training process fails, the error it recorded (torch elastic's `@record`) is printed last, and `bitune-sft`
-    exits with the process's status.
+    `bitune-sft`: launch a training run through `accelerate launch`, the way `trl sft` does: the arguments that the
+    training parser knows (and `--config`) go to the training script, `python -m trl_integration.cli`; the others
+    (`--num_processes`, `--config_file`, ... and TRL's `--accelerate_config zero2|fsdp2|<file>`) to the launcher. When
+    a training process fails, the error it recorded (`@record`) is printed last (not the launcher's), and
+    `bitune-sft` exits with the process's status.
     """
     from accelerate.commands.launch import launch_command, launch_command_parser
     from accelerate.utils import patch_environment
@@ -396,15 +389,10 @@ def _load_dataset(script_args: ScriptArguments) -> Any:
 
 def _empty_data_files(path: str) -> list[str]:
     """The data files of a local dataset folder (or a local data file) that hold nothing but whitespace."""
-    if os.path.isfile(path):
-        files = [path]
-    elif os.path.isdir(path):
-        files = []
-        for folder, subfolders, names in os.walk(path):
-            subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
-            files += [os.path.join(folder, name) for name in sorted(names) if not name.startswith(".")]
-    else:
-        return []
+    files = [path] if os.path.isfile(path) else []
+    for folder, subfolders, names in os.walk(path):  # nothing for a path that is no folder
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
+        files += [os.path.join(folder, name) for name in sorted(names) if not name.startswith(".")]
     return [file for file in files if file.endswith(_DATA_FILE_SUFFIXES) and _is_blank(file)]
 
 
@@ -414,10 +402,7 @@ _DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".txt", ".parquet", ".
 
 def _is_blank(path: str) -> bool:
     """Whether a file holds nothing but whitespace (one over 1 MiB is not blank in practice and is not read)."""
-    if os.path.getsize(path) > 1 << 20:
-        return False
-    with open(path, "rb") as file:
-        return not file.read().strip()
+    return os.path.getsize(path) <= 1 << 20 and not Path(path).read_bytes().strip()
 
 
 def _check_splits(dataset: Any, script_args: ScriptArguments, evaluating: bool) -> None:
