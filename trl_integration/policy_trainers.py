@@ -10,15 +10,12 @@ adapter. They would train it against the wrong reference, without a word:
 - given a fresh adapter (`peft_config`), the reference is the model with its adapters disabled: for LoRA that is the
   starting policy (B = 0), for Bitune it is not (the bidirectional read of the base weights is mixed in at alpha_0).
 
-Each subclass therefore makes the "ref" adapter an exact copy of the policy's adapter (the policy's config, where TRL
-would take the config of the adapter named "default" whatever adapter is active, and PEFT's state dict of the adapter,
-every tensor with its dtype) before the first reference log-probability is computed; TRL's own code then uses it for
-every reference forward (`trl.trainer.utils.use_adapter`), frozen.
-Everything else is TRL's.
-Subclasses rather than TRL's classes unchanged, because nothing else can act between TRL making the adapter and TRL
-using the reference. They also refuse, before any work, the options a Bitune adapter cannot run, naming the option and
-why, and what TRL would fail on without saying why (a Bitune `ref_model`, an adapter not named "default", a frozen
-adapter, a dataset whose every row is dropped).
+Each subclass therefore makes the "ref" adapter an exact, frozen copy of the policy's adapter
+(`copy_policy_to_reference`) before the first reference log-probability is computed; TRL's own code then uses it for
+every reference forward (`trl.trainer.utils.use_adapter`). Everything else is TRL's. Subclasses, because nothing else
+can act between TRL making the adapter and TRL using the reference. They also refuse, before any work, the options a
+Bitune adapter cannot run, naming the option and why, and what TRL would fail on without saying why (a Bitune
+`ref_model`, an adapter not named "default", a frozen adapter, a dataset whose every row is dropped).
 """
 
 from __future__ import annotations
@@ -60,24 +57,20 @@ _OPTIONS_BITUNE_CANNOT_RUN = {
 }
 
 # Arguments of the trainers' own that cannot work with a Bitune adapter, and why; refused when given (not None).
+_ENTER_AS_INSTRUCTIONS = ("enter the completion as new instruction tokens, which generation reads as a fresh prompt "
+                          "(twice) but the scoring forward would read as part of the answer; the two would not agree")
 _ARGUMENTS_BITUNE_CANNOT_RUN = {
-    "tools": "a tool's output enters the completion as new instruction tokens, which generation reads as a fresh "
-    "prompt (twice) but the scoring forward would read as part of the answer; the two would not agree",
-    "environment_factory": "an environment's replies enter the completion as new instruction tokens, which "
-    "generation reads as a fresh prompt (twice) but the scoring forward would read as part of the answer; the two "
-    "would not agree",
+    "tools": f"a tool's outputs {_ENTER_AS_INSTRUCTIONS}",
+    "environment_factory": f"an environment's replies {_ENTER_AS_INSTRUCTIONS}",
 }
 
 
 class BituneReferenceMixin(BituneModelCardMixin):
     """
-    Train a Bitune adapter with a TRL trainer whose reference is the policy as training starts: the "ref" adapter,
-    an exact, frozen copy of the policy's adapter (see the module's docstring). Mixed in before the TRL trainer class;
-    the model card is a Bitune adapter's (`BituneModelCardMixin`).
-
-    Every argument means what it means for the TRL trainer, with these differences: `peft_config` defaults to
-    `BituneConfig()` and must be a `BituneConfig`; `model` may be a `PeftModel` only with a Bitune adapter; options
-    that cannot work with a Bitune adapter are refused before the model loads.
+    Train a Bitune adapter with a TRL trainer (mixed in before its class) whose reference is the policy as training
+    starts (see the module's docstring), and write a Bitune adapter's model card. Every argument means what it means
+    for the TRL trainer, but `peft_config` defaults to `BituneConfig()` and must be a `BituneConfig`, `model` may be a
+    `PeftModel` only with a Bitune adapter, and what a Bitune adapter cannot run is refused before the model loads.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -126,11 +119,10 @@ class BituneReferenceMixin(BituneModelCardMixin):
 
 def copy_policy_to_reference(model: PeftModel) -> None:
     """
-    Make the "ref" adapter of a Bitune `PeftModel` an exact copy of its active adapter: the same config, and PEFT's
-    own state dict of the adapter (both weight sets and the mixing scalars) put in by PEFT, each tensor with its dtype
-    (TRL casts a quantized model's trainable weights to bf16; a float32 copy would compute other log-probabilities).
-    The adapter is made on the meta device and the copies assigned, as PEFT loads one; checked against the state dicts.
-    Frozen: it never trains, even while TRL makes it the active adapter.
+    Make the "ref" adapter of a Bitune `PeftModel` an exact, frozen copy of its active adapter: the same config, and
+    PEFT's state dict of the adapter (both weight sets and the mixing scalars) put in by PEFT as it loads one, each
+    tensor with its dtype (TRL casts a quantized model's trainable weights to bf16; a float32 copy would compute other
+    log-probabilities); checked against the state dicts. It never trains, even while TRL makes it the active adapter.
     """
     policy = model.active_adapter
     if REFERENCE_ADAPTER in model.peft_config:
@@ -145,17 +137,14 @@ def copy_policy_to_reference(model: PeftModel) -> None:
     set_peft_model_state_dict(model, copies, adapter_name=REFERENCE_ADAPTER, low_cpu_mem_usage=True)
     find_bitune_tuner(model).set_requires_grad(REFERENCE_ADAPTER, requires_grad=False)
     reference_state = get_peft_model_state_dict(model, adapter_name=REFERENCE_ADAPTER)
-    differing = sorted(key for key, value in policy_state.items() if not _identical(value, reference_state.get(key)))
+    differing = sorted(key for key, value in policy_state.items() if key not in reference_state
+                       or value.dtype != reference_state[key].dtype or not torch.equal(value, reference_state[key]))
     meta = sorted(name for name, parameter in model.named_parameters() if parameter.is_meta)
     if differing or policy_state.keys() != reference_state.keys() or meta:
         raise RuntimeError(
             f"The reference adapter is not an exact copy of `{policy}` (first differing weights: {differing[:3]}; "
             f"left on the meta device: {meta[:3]}); please report this with the PEFT method of the adapter."
         )
-
-
-def _identical(first: torch.Tensor, second: torch.Tensor | None) -> bool:
-    return second is not None and first.dtype == second.dtype and torch.equal(first, second)
 
 
 # The token columns of TRL's prepared preference rows (DPO: prompt, chosen, rejected; KTO: prompt, completion).
