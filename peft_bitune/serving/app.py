@@ -56,8 +56,6 @@ class ChatCompletions:
         self.engine = engine
         self.model_name = model_name
         self.cancelled_streams = 0  # streams whose client left before the answer was complete
-        # Requests are checked, rendered and tokenized here, never on the event loop, and on several threads, so that
-        # one request's preparation never holds back another's.
         self._preparing = ThreadPoolExecutor(max_workers=PREPARATION_THREADS, thread_name_prefix="bitune-prepare")
 
     async def handle_request(
@@ -92,8 +90,9 @@ class ChatCompletions:
         texts = checked.text_messages()
         fewest = self.engine.fewest_tokens(texts)  # before any rendering: cheap, and linear in the request
         if not self.engine.room_for(fewest, max_tokens):
-            raise self._too_long(f"at least {fewest} tokens ({len(texts)} messages of {self._characters(texts)} "
-                                 "characters)", max_tokens)
+            characters = sum(len(message["content"]) for message in texts)
+            raise self._too_long(f"at least {fewest} tokens ({len(texts)} messages of {characters} characters)",
+                                 max_tokens)
         try:
             prompt = self.engine.prompts.build(texts)
         except TemplateError as error:
@@ -114,10 +113,6 @@ class ChatCompletions:
             "truncated silently).",
             "messages", "context_length_exceeded",
         )
-
-    @staticmethod
-    def _characters(texts: list[dict]) -> int:
-        return sum(len(message["content"]) for message in texts)
 
     def _generation_config(self, temperature: float | None, top_p: float | None) -> Any:
         """The model's generation config with the request's settings: greedy at temperature 0 (and below

@@ -23,6 +23,7 @@ import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from transformers import HfArgumentParser
@@ -144,10 +145,7 @@ def load_engine(command: Command) -> Any:
         except (OSError, ValueError) as error:
             raise fail(f"cannot load a tokenizer from the adapter {args.adapter!r} or the base model {args.model!r}: "
                        f"{error}.") from None
-    chat_template = None
-    if args.chat_template is not None:
-        with open(args.chat_template, encoding="utf-8") as file:
-            chat_template = file.read()
+    chat_template = None if args.chat_template is None else Path(args.chat_template).read_text(encoding="utf-8")
     if chat_template is None and not tokenizer.chat_template:
         raise fail(f"the tokenizer of {args.adapter!r} has no chat template, so conversations cannot be rendered. "
                    "Pass one with `--chat-template <file>` (a Jinja template, e.g. the one your adapter was trained "
@@ -161,14 +159,10 @@ def load_engine(command: Command) -> Any:
     try:
         model = PeftModel.from_pretrained(base.to(args.device), args.adapter)
     except Exception as error:  # safetensors, PEFT and our own checks: all a file the user must fix
-        detail = str(error).rstrip()
-        detail += "" if detail.endswith(".") else "."
         # The project's own refusals (ValueError) already say what to do; a raw library error gets the likely fix.
-        hint = ""
-        if not isinstance(error, ValueError):
-            hint = " If the file is truncated or corrupt, save (or download) the adapter again."
-        message = f"cannot load the adapter weights of {args.adapter!r}: {type(error).__name__}: {detail}{hint}"
-        raise fail(message) from None
+        fix = " If the file is truncated or corrupt, save (or download) the adapter again."
+        raise fail(f"cannot load the adapter weights of {args.adapter!r}: {type(error).__name__}: "
+                   f"{str(error).rstrip().removesuffix('.')}.{'' if isinstance(error, ValueError) else fix}") from None
     return ChatEngine(model.eval(), tokenizer, chat_template, int(args.cache_memory_mb * 2**20), command.limits)
 
 

@@ -42,9 +42,8 @@ def check_count(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """How the server guards itself: API keys on every `/v1` call (each key also keeps its own conversations; none:
-    open, for a server only this machine can reach), the web origins allowed to call it from a browser (CORS; none by
-    default, so browsers refuse cross-site calls that read the answers), the API docs page, the largest body."""
+    """How the server guards itself (each field's help says how). No API keys: open, for a server only this machine
+    can reach; no origins: browsers refuse cross-site calls that read the answers."""
 
     # Lists for the parser (a repeated `--api-key` appends a list); kept as tuples.
     api_keys: list[str] = field(default_factory=list, metadata={
