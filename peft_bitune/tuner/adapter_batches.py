@@ -285,6 +285,16 @@ def refuse_base_rows_over_bitune_cache(rows: RowAdapters | None, bitune_cache: b
         )
 
 
+def refuse_packed_rows(rows: RowAdapters | None) -> None:
+    """A packed batch's passes are one row over all its examples, and PEFT's `adapter_names` route whole rows."""
+    if rows is not None:
+        raise ValueError(
+            "`adapter_names` names an adapter per row, and a packed batch (`position_ids` restarting within a row) "
+            "runs all its examples as one row in each pass: give `adapter_names` with padded batches, or pack the "
+            "examples of each adapter into batches of their own."
+        )
+
+
 def base_rows_read_once(inputs: Any, rows: RowAdapters | None) -> Any:
     """Checked training inputs (`checks.TrainingInputs`) in which each `"__base__"` row is one instruction token and
     then an answer: read once, causally, as the base model reads it, with logits at every position. Its labels keep

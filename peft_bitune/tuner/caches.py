@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
@@ -392,7 +392,7 @@ class TrainingCache:
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    mask: torch.Tensor
+    mask: Any  # (rows, width) 1 on real positions; a packed batch's `packing.Places`
 
     @classmethod
     def extend(
@@ -400,14 +400,17 @@ class TrainingCache:
         cache: TrainingCache | None,
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
-        mask: torch.Tensor,
+        mask: Any,
     ) -> TrainingCache:
-        """Append a chunk; a right-padded chunk after a cache is padded to the left again (a gather per layer)."""
+        """Append a chunk; a right-padded chunk after a cache is padded to the left again (a gather per layer). A
+        packed batch's cache has no padding: its `mask` is each key's place (`packing.Places`), appended as it is."""
         if cache is None:
             return cls(keys, values, mask)
-        mask = torch.cat([cache.mask, mask], dim=1)
         keys = [torch.cat([old, new], dim=-2) for old, new in zip(cache.keys, keys)]
         values = [torch.cat([old, new], dim=-2) for old, new in zip(cache.values, values)]
+        if not isinstance(mask, torch.Tensor):
+            return cls(keys, values, cache.mask.then(mask))
+        mask = torch.cat([cache.mask, mask], dim=1)
         repadded = repad_left(mask, *keys, *values)
         count = len(keys)
         return cls(list(repadded[1 : 1 + count]), list(repadded[1 + count :]), repadded[0])

@@ -24,7 +24,8 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from .. import compat
 from ..constants import BIDIRECTIONAL, IGNORE_INDEX
 from ..utils.base_model import decoder_of, text_config
-from ..utils.messages import first_true, format_rows
+from ..utils.messages import format_rows
+from .packing import PackedExamples, read_packed_examples
 
 
 # ------------------------------------------------------------------------------------------------ one rule each
@@ -224,6 +225,8 @@ class TrainingInputs:
         is_answer (`torch.BoolTensor` of shape (batch, seq)): the answer tokens, by `prompt_mask` or else by `labels`.
         boundary (`str`): which of the two gave `is_answer`, for messages.
         labels (`torch.LongTensor` of shape (batch, seq), *optional*): the labels, -100 off the answers.
+        packed (`PackedExamples`, *optional*): where each example of a packed batch is (`packing.py`); `None` for
+            ordinary rows, one example each.
     """
 
     sequence: torch.Tensor
@@ -233,6 +236,7 @@ class TrainingInputs:
     is_answer: torch.Tensor
     boundary: str
     labels: torch.Tensor | None
+    packed: PackedExamples | None = None
 
 
 def check_training_inputs(
@@ -282,7 +286,11 @@ def check_training_inputs(
     if attention_mask is not None:
         valid = attention_mask.to(device).bool()
     lengths = check_contiguous_rows(valid)
-    check_training_arguments(kwargs, valid, position_limit)
+    packed = read_packed_examples(kwargs, valid)
+    check_training_arguments(kwargs)
+    if position_limit is not None:
+        longest, what = (lengths, "A row") if packed is None else (packed.lengths, "A packed example")
+        check_fits_positions(int(longest.max()), position_limit, what)
     if prompt_mask is not None:
         is_answer, boundary = valid & ~prompt_mask.to(device).bool(), "`prompt_mask`"
     else:
@@ -305,6 +313,7 @@ def check_training_inputs(
         is_answer=is_answer,
         boundary=boundary,
         labels=labels,
+        packed=packed,
     )
 
 
@@ -326,51 +335,20 @@ _ARGUMENTS_BITUNE_SETS_PER_PASS = {
 }
 
 
-def check_training_arguments(kwargs: dict[str, Any], valid: torch.Tensor, position_limit: int | None) -> None:
+def check_training_arguments(kwargs: dict[str, Any]) -> None:
     """
     Refuse, before any compute, what the training forward cannot run as asked. Its passes cover different parts of
-    each row, so an argument of the model's forward would reach only one of them: none is passed on. `position_ids`
-    are accepted only when they are the ordinary ones every pass uses anyway, `logits_to_keep` only as 0 (all), and
-    `None` values; everything else is refused by name. Rows longer than the model's positions are refused, as
-    `generate` does.
+    each row, so an argument of the model's forward would reach only one of them: none is passed on (`position_ids`
+    and packed boundaries are read before, by `packing.read_packed_examples`). `logits_to_keep` is accepted only as
+    0 (all), and `None` values; everything else is refused by name.
     """
     for name, value in kwargs.items():
         if value is None or (name == "logits_to_keep" and isinstance(value, int) and value == 0):
-            continue
-        if name == "position_ids":
-            _check_ordinary_positions(value, valid)
             continue
         reason = _ARGUMENTS_BITUNE_SETS_PER_PASS.get(
             name, "it runs each row in three passes of different lengths, and the argument would reach only one"
         )
         raise ValueError(f"The Bitune training forward does not accept `{name}`: {reason}. Remove it.")
-    # After the arguments: a packed row (restarting `position_ids`) is often longer than the model's positions, and
-    # packing is what to name then.
-    if position_limit is not None and valid.shape[1] > position_limit:  # only then can a row be too long
-        check_fits_positions(int(valid.sum(dim=1).max()), position_limit, "A row")
-
-
-def _check_ordinary_positions(position_ids: torch.Tensor, valid: torch.Tensor) -> None:
-    """Accept `position_ids` only where they are the positions every pass gets anyway: 0, 1, ... over each row's real
-    tokens (padding ignored)."""
-    valid = valid.to(position_ids.device)
-    try:
-        position_ids = position_ids.expand(valid.shape)
-    except RuntimeError:
-        raise ValueError(
-            f"`position_ids` has shape {tuple(position_ids.shape)} but the input has shape {tuple(valid.shape)}."
-        ) from None
-    ordinary = valid.long().cumsum(dim=1) - 1
-    differ = first_true(valid & (position_ids != ordinary))
-    if differ is not None:
-        row, column = differ
-        raise ValueError(
-            f"`position_ids` differ from the ordinary positions (0, 1, ... over each row's real tokens) that every "
-            f"Bitune pass uses: row {row}, column {column} is {int(position_ids[row, column])}, not "
-            f"{int(ordinary[row, column])}. Positions that restart within a row come from packing several sequences "
-            "into one (`packing=True` or `padding_free=True` in TRL), which Bitune does not support: train on padded "
-            "batches. Otherwise remove `position_ids`."
-        )
 
 
 def check_base_model_supported(model: Any, second_pass_attention: str = BIDIRECTIONAL) -> None:

@@ -16,13 +16,14 @@ windows) needs. Positions are the ordinary 0..n-1 of each row.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import torch
 
 from ..constants import IGNORE_INDEX, MultiTurnMode
 from .checks import TrainingInputs, check_rows
+from .packing import PackedExamples, PackedMask, Places
 
 Alignment = Literal["left", "right"]
 
@@ -41,6 +42,12 @@ class Chunk:
     mask: torch.Tensor
     positions: torch.Tensor
     labels: torch.Tensor | None = None
+    places: Places | None = None  # a packed batch's chunk: one row of real tokens, each with its example
+
+    @property
+    def as_past(self) -> torch.Tensor | Places:
+        """What a later pass over this chunk's keys/values needs to mask them: the mask, or a packed chunk's places."""
+        return self.mask if self.places is None else self.places
 
     @property
     def width(self) -> int:
@@ -80,12 +87,30 @@ class Chunk:
             return sequence.gather(1, self.index)
         return sequence.gather(1, self.index[:, :, None].expand(-1, -1, sequence.shape[-1]))
 
-    def pass_inputs(self, sequence: torch.Tensor, past_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """The model inputs of the pass that runs this chunk of `sequence` after a cache whose mask is `past_mask`
-        (`None` for no cache): `input_ids` or `inputs_embeds` (as `sequence` is), `attention_mask`, `position_ids`."""
+    def pass_inputs(self, sequence: torch.Tensor, past: torch.Tensor | Places | None) -> dict[str, Any]:
+        """The model inputs of the pass that runs this chunk of `sequence` after a cache that `past` describes (its
+        mask, or a packed cache's places; `None` for no cache): `input_ids` or `inputs_embeds` (as `sequence` is),
+        `attention_mask` (a packed chunk's is a `PackedMask`, made concrete by the pass), `position_ids`."""
         tokens = "input_ids" if sequence.dim() == 2 else "inputs_embeds"
-        attention_mask = self.mask if past_mask is None else torch.cat([past_mask, self.mask], dim=1)
+        if self.places is not None:
+            attention_mask = PackedMask(self.places, self.places if past is None else past.then(self.places))
+        else:
+            attention_mask = self.mask if past is None else torch.cat([past, self.mask], dim=1)
         return {tokens: self.gather(sequence), "attention_mask": attention_mask, "position_ids": self.positions}
+
+    def packed(self, rows: torch.Tensor, token_index: torch.Tensor) -> Chunk:
+        """This chunk of virtual rows (one per packed example, `rows` of them) as one row of its real tokens:
+        `token_index` maps each virtual row's columns to the batch's flattened tokens."""
+        real = self.mask.bool()
+        examples = rows[:, None].expand_as(real)[real][None]
+        positions = self.positions[real][None]
+        return Chunk(
+            index=token_index[rows[:, None], self.index][real][None],
+            mask=torch.ones_like(positions),
+            positions=positions,
+            labels=None if self.labels is None else self.labels[real][None],
+            places=Places(examples, positions),
+        )
 
 
 @dataclass(frozen=True)
@@ -106,6 +131,7 @@ class ConversationLayout:
 
     turns: list[Turn]
     mode: MultiTurnMode
+    packed: bool = False  # the turns' chunks are packed: one row of real tokens over the flattened batch
 
     @classmethod
     def from_inputs(
@@ -136,15 +162,57 @@ class ConversationLayout:
         turns = segments.history_turns() if mode == "history" else segments.alternating_turns()
         return cls(turns=turns, mode=mode)
 
+    @classmethod
+    def from_packed(
+        cls, inputs: TrainingInputs, mode: MultiTurnMode, read_rows_without_answer: bool = False
+    ) -> ConversationLayout:
+        """
+        The turns of a packed batch (`inputs.packed`): each example is laid out as a row of its own would be (its
+        segments, its positions from 0), then every chunk keeps only its real tokens, as one row over the flattened
+        batch, each token with its example (`Chunk.packed`). So no pass computes padding, and the passes' masks keep
+        every example to itself (`packing.PackedMask`).
+        """
+        packed = inputs.packed
+        count, longest = len(packed.starts), int(packed.lengths.max())
+        columns = torch.arange(longest, device=packed.starts.device)
+        valid = columns[None, :] < packed.lengths[:, None]
+        token_index = (packed.starts[:, None] + columns[None, :]).clamp(max=inputs.valid.numel() - 1)
+        is_answer = inputs.is_answer.flatten()[token_index] & valid
+        without_answer = ~is_answer.any(dim=1)
+        if not read_rows_without_answer:
+            _check_examples(packed, without_answer, "has no answer token (by " + inputs.boundary + "): there is "
+                            "nothing to train on. A padding-free batch padded to a multiple (`pad_to_multiple_of`) "
+                            "makes each padding token an example of its own: leave that option out.")
+        _check_examples(packed, is_answer[:, 0], "starts with an answer token (by " + inputs.boundary + "): Bitune "
+                        "reads an instruction before each answer. TRL's `packing_strategy=\"bfd_split\"` cuts an "
+                        "example that does not fit `max_length` into pieces, and a piece that begins inside the "
+                        "answer has no instruction: raise `max_length`, or use `\"bfd\"`, which truncates instead.")
+        labels = None
+        if inputs.labels is not None:
+            labels = inputs.labels.flatten()[token_index].masked_fill(~valid, IGNORE_INDEX)
+        virtual = replace(inputs, sequence=inputs.sequence, valid=valid, is_answer=is_answer, labels=labels,
+                          row_starts=torch.zeros_like(packed.lengths), row_lengths=packed.lengths, packed=None)
+        rows = cls.from_inputs(virtual, mode, read_rows_without_answer)
+        all_rows = torch.arange(count, device=valid.device)
+        turns = [
+            Turn(prefill=turn.prefill.packed(rows_of_turn, token_index),
+                 answer=turn.answer.packed(rows_of_turn, token_index))
+            for turn in rows.turns
+            for rows_of_turn in [all_rows if turn.rows is None else turn.rows]
+        ]
+        return cls(turns=turns, mode=mode, packed=True)
+
     def runs(self, sequence: torch.Tensor) -> Iterator[tuple[list[Turn], torch.Tensor]]:
         """
         The runs of turns over one growing cache each, with the rows of `sequence` they read, in the order of
         `turns`: in alternating mode one run of all turns over all rows; in history mode one run per turn, over the
         rows that have it (each answer reads everything before it as one instruction).
         """
+        if self.packed:
+            sequence = sequence.reshape(1, -1, *sequence.shape[2:])  # the chunks index the flattened batch
         if self.mode == "history":
             for turn in self.turns:
-                yield [turn], sequence[turn.rows]
+                yield [turn], sequence if turn.rows is None else sequence[turn.rows]
         else:
             yield self.turns, sequence
 
@@ -167,6 +235,14 @@ class ConversationLayout:
             target = rows[:, None] * seq_len + turn.answer.index
             flat.index_copy_(0, target[real], values[real])
         return out
+
+
+def _check_examples(packed: PackedExamples, bad: torch.Tensor, problem: str) -> None:
+    """Refuse packed examples where `bad` (examples,) holds, naming the first."""
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0])
+        more = int(bad.sum()) - 1
+        raise ValueError(f"The {packed.describe(first)}{f' (and {more} more)' if more else ''} {problem}")
 
 
 def _segments(valid: torch.Tensor, is_answer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

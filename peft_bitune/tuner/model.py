@@ -60,6 +60,7 @@ from .fused_head import (
 )
 from .layout import ConversationLayout
 from .mixing import BituneKVMixer
+from .packing import check_packing_supported
 from .passes import BitunePasses, answer_loss
 from .quantization import check_quantized_base, prepare_quantized_layers
 from .routing import LayerRouter
@@ -435,8 +436,11 @@ class BituneModel(BaseTuner):
                 mode only.
             kwargs: other arguments of the model's forward. The three passes cover different parts of each row, so
                 none is handed on: `position_ids` are accepted when they are the ordinary positions every pass uses
-                anyway (0, 1, ... over each row's real tokens), `logits_to_keep` when 0; anything else (e.g. packed
-                `position_ids`, `cache_position`, `token_type_ids`) is refused by name before any compute.
+                anyway (0, 1, ... over each row's real tokens), or when they restart at 0 for each example of a
+                packed row (TRL's `packing`/`padding_free`; `cu_seq_lens_*`, `max_length_*` and `seq_idx` are read
+                as the same boundaries): each example is then read on its own, and no pass computes padding
+                (`packing.py`). `logits_to_keep` is accepted when 0; anything else (e.g. `cache_position`,
+                `token_type_ids`) is refused by name before any compute.
 
         Returns:
             `CausalLMOutputWithPast` whose `logits` (batch_size, seq_len, vocab) are aligned with the input. Positions
@@ -479,6 +483,9 @@ class BituneModel(BaseTuner):
         )
         if fused_lm_head:
             check_rows_to_read(inputs)
+        if inputs.packed is not None:
+            check_packing_supported(self.model)
+            adapter_batches.refuse_packed_rows(rows)
         mode, parts = adapter_batches.multi_turn_of(rows, self.peft_config[self.active_adapter].multi_turn)
         if parts is not None:  # adapters that lay a conversation out differently: one forward each
             given = dict(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
@@ -486,7 +493,8 @@ class BituneModel(BaseTuner):
             return adapter_batches.forward_per_setting(self.forward, parts, rows, inputs, given, num_items_in_batch)
         inputs = adapter_batches.base_rows_read_once(inputs, rows)
         sequence = inputs.sequence
-        layout = ConversationLayout.from_inputs(inputs, mode=mode, read_rows_without_answer=fused_lm_head)
+        read_layout = ConversationLayout.from_inputs if inputs.packed is None else ConversationLayout.from_packed
+        layout = read_layout(inputs, mode=mode, read_rows_without_answer=fused_lm_head)
         check_sharding(self._router.index.decoder_layer_paths, num_layers(self.model), self.mixer)
         with self._router.checkpointing_keeps_caches():
             answer_outputs = self._passes().for_rows(rows).run_layout(layout, sequence, fused_head=fused_lm_head)

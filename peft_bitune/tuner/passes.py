@@ -46,6 +46,7 @@ from .caches import (
 from .layer_inputs import ChainedRead, HeldKeyValues, PromptMix, PromptPassChain, capturing_layer_calls
 from .layout import Chunk, ConversationLayout, Turn
 from .mixing import BituneKVMixer, at_least_float32
+from .packing import Places, masks_for_pass
 from .prompt_pass_end import ending_at_complete_record
 from .sharding import LayerPath, unshard_before_backward
 
@@ -122,12 +123,12 @@ class BitunePasses:
                     lambda: self._recording_cache(cache),
                     **turn.prefill.pass_inputs(sequence, None if cache is None else cache.mask),
                 )
-                cache = TrainingCache.extend(cache, keys, values, turn.prefill.mask)
+                cache = TrainingCache.extend(cache, keys, values, turn.prefill.as_past)
             answer_cache = _pass_cache(cache, self.model, record=not is_last)
-            past_mask = None if cache is None else cache.mask
-            outputs.append(self.answer_pass(turn.answer, sequence, answer_cache, past_mask, fused_head))
+            past = None if cache is None else cache.mask
+            outputs.append(self.answer_pass(turn.answer, sequence, answer_cache, past, fused_head))
             if not is_last:
-                cache = TrainingCache.extend(cache, *recorded_key_values(answer_cache), turn.answer.mask)
+                cache = TrainingCache.extend(cache, *recorded_key_values(answer_cache), turn.answer.as_past)
         return outputs
 
     def answer_over_prompt(self, turn: Turn, sequence: torch.Tensor, fused_head: bool = False) -> Any:
@@ -144,7 +145,8 @@ class BitunePasses:
             left[weight_set] = (self._chained_reads(weight_set, inputs) if self.recompute_prompt
                                 else self._recorded_key_values(weight_set, self._recording_cache(None), inputs))
         prompt = self._mixes(left, turn.prefill.width)
-        return self.answer_pass(turn.answer, sequence, recomputing_pass_cache(prompt), turn.prefill.mask, fused_head)
+        cache = recomputing_pass_cache(prompt)
+        return self.answer_pass(turn.answer, sequence, cache, turn.prefill.as_past, fused_head)
 
     def read_twice(self, recording_cache: Callable[[], Cache], **inputs: torch.Tensor) -> KeyValues:
         """Steps 1-3 with the keys/values recorded and mixed at once, for generation and for the turns a later turn
@@ -221,16 +223,18 @@ class BitunePasses:
         is_causal = weight_set == CAUSAL or attention == CAUSAL
         decoder = decoder_of(self.model)
         output = None
+        inputs = masks_for_pass(inputs, self.model, is_causal)
         with self.routed(weight_set), ending_at_complete_record():
             output = decoder(**compat.with_cache(decoder, cache), use_cache=False, is_causal=is_causal, **inputs)
         return output
 
     def answer_pass(
-        self, chunk: Chunk, sequence: torch.Tensor, cache: Cache, past_mask: torch.Tensor | None,
+        self, chunk: Chunk, sequence: torch.Tensor, cache: Cache, past: torch.Tensor | Places | None,
         fused_head: bool = False,
     ) -> Any:
         """
-        Step 4: x_m and the answer, causal weights, over `cache`, whose positions `past_mask` marks. Returns the
+        Step 4: x_m and the answer, causal weights, over `cache`, whose positions `past` marks (its mask, or a packed
+        cache's places). Returns the
         model's output; a recording `cache` then holds the chunk's causal keys/values.
 
         The output holds the chunk's logits (rows, width, vocab); with `fused_head`, it is TRL's fused-head output of
@@ -240,7 +244,7 @@ class BitunePasses:
         head = {"fused_lm_head": True, "shift_labels": chunk.labels} if fused_head else {}
         with self.routed(CAUSAL):
             return self.model(
-                **chunk.pass_inputs(sequence, past_mask),
+                **masks_for_pass(chunk.pass_inputs(sequence, past), self.model, is_causal=True),
                 **compat.with_cache(self.model, cache),
                 use_cache=False,
                 **head,
