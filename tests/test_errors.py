@@ -213,17 +213,13 @@ def test_ordinary_position_ids_give_the_same_result_as_none(load_base):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (dict(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)),
-         r"`position_ids` differ .* row 0, column 3 .*packing"),
-        (dict(position_ids=torch.arange(6)[None] + 5), "`position_ids` differ"),
+        (dict(position_ids=torch.arange(6)[None] + 5), r"`position_ids` start example 0 \(row 0, columns 0..5\) at 5"),
         (dict(cache_position=torch.arange(6)), "does not accept `cache_position`"),
         (dict(token_type_ids=torch.zeros(2, 6, dtype=torch.long)), "does not accept `token_type_ids`"),
         (dict(logits_to_keep=2), "does not accept `logits_to_keep`"),
-        (dict(cu_seq_lens_q=torch.tensor([0, 3, 6])), "does not accept `cu_seq_lens_q`"),
+        (dict(cu_seq_lens_q=torch.tensor([0, 3, 6])), r"`cu_seq_lens_\*` \(\[0, 3, 6\]\) must cover the one row"),
     ],
-    ids=[
-        "packed-positions", "shifted-positions", "cache-position", "token-type-ids", "logits-to-keep", "flash-kwargs"
-    ],
+    ids=["shifted-positions", "cache-position", "token-type-ids", "logits-to-keep", "flash-boundaries-of-two-rows"],
 )
 def test_forward_arguments_the_passes_cannot_share_are_refused_by_name(load_base, monkeypatch, extra, message):
     model = make_bitune(load_base("llama"))
@@ -248,8 +244,4 @@ def test_an_empty_or_too_long_training_batch_is_refused_before_any_compute(load_
     labels[:, :200] = -100
     with pytest.raises(ValueError, match="300 tokens, more than the model's 256 positions"):
         model(input_ids=long, labels=labels)
-    # A packed row (positions that restart) is often longer than the model's positions: packing is what is named.
-    packed = torch.cat([torch.arange(150), torch.arange(150)])[None]
-    with pytest.raises(ValueError, match=r"`position_ids` differ .* row 0, column 150 .*packing"):
-        model(input_ids=long, labels=labels, position_ids=packed)
     assert not ran

@@ -242,7 +242,7 @@ def _check_examples(packed: PackedExamples, bad: torch.Tensor, problem: str) -> 
     if bool(bad.any()):
         first = int(bad.nonzero()[0])
         more = int(bad.sum()) - 1
-        raise ValueError(f"The {packed.describe(first)}{f' (and {more} more)' if more else ''} {problem}")
+        raise ValueError(f"The packed {packed.describe(first)}{f' (and {more} more)' if more else ''} {problem}")
 
 
 def _segments(valid: torch.Tensor, is_answer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

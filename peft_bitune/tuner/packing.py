@@ -47,7 +47,7 @@ class PackedExamples:
         """Where example `example` is, for messages."""
         start, length = int(self.starts[example]), int(self.lengths[example])
         row, column = divmod(start, self.seq_len)
-        return f"packed example {example} (row {row}, columns {column}..{column + length - 1})"
+        return f"example {example} (row {row}, columns {column}..{column + length - 1})"
 
 
 def read_packed_examples(kwargs: dict[str, Any], valid: torch.Tensor) -> PackedExamples | None:
