@@ -217,32 +217,33 @@ def help_section(help_text: str, title: str) -> str:
 
 
 def test_help_starts_with_what_it_does_and_bitunes_options_and_marks_the_refused_ones():
-    """`bitune-sft --help` was 921 lines with no description, Bitune's options last, and `--packing` offered without
-    saying it is refused: now a short usage, a description, Bitune's options, the refused options marked, then TRL's
-    and transformers' options as in `trl sft`."""
+    """`bitune-sft --help` was 921 lines with no description, Bitune's options last, and refused options offered
+    without saying so: now a short usage, a description, Bitune's options, the options with refused values marked,
+    then TRL's and transformers' options as in `trl sft`."""
     help_text = make_parser().format_help()
     lines = help_text.splitlines()
     assert lines[0].startswith("usage: bitune-sft --model_name_or_path") and len(help_text.split("\n\n")[0]) < 300
     assert "Bitune adapter" in lines[2]  # the description, right after the usage
     titles = [line[:-1] for line in lines if line and not line.startswith(" ") and line.endswith(":")]
-    assert titles == ["example", "Bitune options", "Options bitune-sft refuses",
+    assert titles == ["example", "Bitune options", "Options with values bitune-sft refuses",
                       "TRL's and transformers' options (as `trl sft`)"], titles
     bitune = help_section(help_text, "Bitune options")
     for flag in ("--mix_init", "--mixed_layers", "--multi_turn", "--shared_weights", "--lora_r", "--lora_alpha",
                  "--lora_target_modules", "--mixing_lr_ratio", "--bidirectional_lr_ratio", "--mixing_warmup_steps",
                  "--mixing_logging_steps"):
         assert flag in bitune, flag
-    refused = help_section(help_text, "Options bitune-sft refuses")
-    for flag in ("--packing", "--padding_free", "--eval_packing"):
-        assert flag in refused and help_text.count(f"  {flag} ") == 1, flag
-    assert " ".join(refused.split()).count("Refused:") == 3
-    assert "  --learning_rate " in help_section(help_text, "TRL's and transformers' options (as `trl sft`)")
+    refused = " ".join(help_section(help_text, "Options with values bitune-sft refuses").split())
+    assert "--packing_strategy" in refused and "Refused: 'wrapped', since it cuts examples anywhere" in refused
+    others = help_section(help_text, "TRL's and transformers' options (as `trl sft`)")
+    for flag in ("--packing", "--padding_free", "--eval_packing"):  # packing is read example by example
+        assert f"  {flag} " in others and help_text.count(f"  {flag} ") == 1, flag
+    assert "  --learning_rate " in others
 
 
-@pytest.mark.parametrize("flag", ["--packing", "--padding_free", "--eval_packing"])
-def test_the_options_the_help_marks_refused_are_refused(tmp_path, flag):
-    with pytest.raises(SystemExit, match=rf"bitune-sft: `{flag[2:]}=True` is not supported by Bitune"):
-        cli_train(["--output_dir", str(tmp_path), "--use_cpu", "--model_name_or_path", "unused", flag, "true"])
+def test_the_value_the_help_marks_refused_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match=r"bitune-sft: `packing_strategy='wrapped'` is not supported by Bitune"):
+        cli_train(["--output_dir", str(tmp_path), "--use_cpu", "--model_name_or_path", "unused", "--packing", "true",
+                   "--packing_strategy", "wrapped"])
 
 
 @pytest.mark.parametrize("flags", [

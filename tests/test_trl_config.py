@@ -44,10 +44,16 @@ def test_config_takes_the_checkpointing_switch_under_either_name(tmp_path):
         )
 
 
-@pytest.mark.parametrize("setting", ["packing", "padding_free", "eval_packing"])
-def test_config_refuses_packing_and_padding_free(tmp_path, setting):
-    with pytest.raises(ValueError, match=f"`{setting}=True` is not supported by Bitune"):
-        BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, **{setting: True})
+@pytest.mark.parametrize("setting", ["packing", "eval_packing"])
+def test_config_refuses_wrapped_packing_and_accepts_the_strategies_that_keep_examples_whole(tmp_path, setting):
+    with pytest.raises(ValueError, match=r"`packing_strategy='wrapped'` is not supported by Bitune: it cuts examples"):
+        BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, packing_strategy="wrapped", **{setting: True})
+    for strategy in ("bfd", "bfd_split"):
+        config = BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, packing_strategy=strategy, **{setting: True})
+        assert getattr(config, setting) and config.packing_strategy == strategy
+    assert BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, padding_free=True).padding_free
+    # Not packing, the strategy is not used.
+    assert BituneSFTConfig(output_dir=str(tmp_path), use_cpu=True, packing_strategy="wrapped").packing_strategy
 
 
 def test_config_refuses_a_negative_per_layer_interval(tmp_path):

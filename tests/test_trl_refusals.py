@@ -22,11 +22,10 @@ datasets.disable_progress_bars()
 
 
 
-@pytest.mark.parametrize("setting", ["packing", "padding_free"])
-def test_packing_set_after_the_config_was_made_is_refused_by_the_trainer(tmp_path, setting):
+def test_wrapped_packing_set_after_the_config_was_made_is_refused_by_the_trainer(tmp_path):
     args = helpers.training_args(tmp_path)
-    setattr(args, setting, True)  # after `__post_init__`, which refuses it in the constructor
-    with pytest.raises(ValueError, match=f"`{setting}=True` is not supported by Bitune"):
+    args.packing, args.packing_strategy = True, "wrapped"  # after `__post_init__`, which refuses it in the constructor
+    with pytest.raises(ValueError, match=r"`packing_strategy='wrapped'` is not supported by Bitune"):
         BituneSFTTrainer(
             model=never_loaded(tmp_path),
             args=args,
@@ -177,14 +176,13 @@ def test_an_empty_dataset_is_refused_by_name(tmp_path, trl_model_dir):
          r"are supervised at every token \(by `labels`\).*`completion_only_loss=False`"),
         ([{"text": f"{question} answer : {answer}"} for question, answer in helpers.arithmetic_rows(8)], {},
          r"are supervised at every token \(by `labels`\).*plain-text \(`text`\)"),
-        (helpers.prompt_completion_rows(16), {"packing": True}, r"`position_ids` differ.*`packing=True`"),
     ],
-    ids=["completion-only-loss-off", "text", "packing"],
+    ids=["completion-only-loss-off", "text"],
 )
 def test_trls_own_sft_trainer_is_refused_for_the_real_reason(tmp_path, trl_model_dir, rows, args, message):
     """`BituneSFTTrainer` refuses these before any work; TRL's `SFTTrainer` given a `BituneConfig` reaches the
-    Bitune forward at step 1, which names the same cause (rows that are all answer; packing), not a consequence
-    (a row starting with an answer token; a packed row longer than the model's positions)."""
+    Bitune forward at step 1, which names the same cause (rows that are all answer), not a consequence (a row
+    starting with an answer token)."""
     from trl import SFTConfig, SFTTrainer
 
     config = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to=[],

@@ -3,9 +3,9 @@
 
 Bitune reads each row's instructions from the labels TRL builds, so data that carries no instruction/answer boundary
 (plain text, a formatting function, conversations without `assistant_only_loss`) is refused, as are settings that break
-the three-pass forward (packing, reentrant or FSDP's own checkpointing, DeepSpeed ZeRO-3 with checkpointing) and a
-`loss_type` the trainer does not implement. Resuming from a checkpoint with recipe options other than those it was
-trained with is refused too. Each refusal says what works instead.
+the three-pass forward ("wrapped" packing, reentrant or FSDP's own checkpointing, DeepSpeed ZeRO-3 with checkpointing)
+and a `loss_type` the trainer does not implement. Resuming from a checkpoint with recipe options other than those it
+was trained with is refused too. Each refusal says what works instead.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from peft_bitune import BituneConfig, BituneModel, compat
 from peft_bitune.constants import IGNORE_INDEX, MIXERS_ATTRIBUTE, WEIGHT_SETS, inner_adapter_name
 from peft_bitune.utils.messages import format_rows
 
-from .config import BituneSFTConfig, refuse_packing
+from .config import BituneSFTConfig, refuse_wrapped_packing
 
 FORMATS_THAT_WORK = (
     "prompt-completion rows (`prompt` and `completion` columns, plain text or conversational) with "
@@ -114,7 +114,7 @@ def check_loss_type(args: TrainingArguments) -> None:
 
 
 def check_training_setup(args: BituneSFTConfig, bitune_config: BituneConfig) -> None:
-    refuse_packing(args)  # again: `args.packing = True` may have been set after the config was made
+    refuse_wrapped_packing(args)  # again: `args.packing_strategy` may have been set after the config was made
     check_loss_type(args)
     if args.ddp_find_unused_parameters is False and not bitune_config.shared_weights:
         raise ValueError(

@@ -36,7 +36,7 @@ from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, T
 from peft_bitune import BituneConfig, compat
 from peft_bitune.utils.command_line_numbers import number_problem
 
-from .config import REFUSED_OPTIONS, BituneSFTConfig
+from .config import REFUSED_VALUES, BituneSFTConfig
 
 # What `bitune-sft` hands to `accelerate launch --module`: this module, whose `__main__` block trains.
 TRAINING_MODULE = "trl_integration.cli"
@@ -104,15 +104,15 @@ USAGE = "bitune-sft --model_name_or_path MODEL --dataset_name DATA --output_dir 
 DESCRIPTION = """\
 Train a Bitune adapter with TRL's SFTTrainer, as `trl sft` does: the same arguments (and `--config file.yaml`),
 launched through `accelerate launch` (its options, e.g. `--num_processes 8` or `--accelerate_config fsdp2`, go to the
-launcher). Bitune's options come first, then the options Bitune refuses, then TRL's and transformers' options, as in
-`trl sft --help`. Numbers that cannot work are refused in one line before anything loads.
+launcher). Bitune's options come first, then those with values Bitune refuses, then TRL's and transformers' options, as
+in `trl sft --help`. Numbers that cannot work are refused in one line before anything loads.
 
 example:
   bitune-sft --model_name_or_path Qwen/Qwen2-0.5B --dataset_name trl-lib/tldr --output_dir Qwen2-0.5B-Bitune \\
       --learning_rate 3e-4 --mix_init 0.01
 """
 BITUNE_SECTION = "Bitune options"
-REFUSED_SECTION = "Options bitune-sft refuses"
+REFUSED_SECTION = "Options with values bitune-sft refuses"
 OTHER_SECTION = "TRL's and transformers' options (as `trl sft`)"
 
 
@@ -122,15 +122,15 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 class BituneSFTParser(TrlParser):
     """TRL's parser of `trl sft`'s arguments and Bitune's, whose help starts with what `bitune-sft` does and Bitune's
-    options, and marks the options Bitune refuses (with why) before TRL's and transformers' several hundred."""
+    options, and marks the values Bitune refuses (with why) before TRL's and transformers' several hundred."""
 
     def __init__(self, prog: str | None = "bitune-sft") -> None:
         dataclass_types = (ScriptArguments, BituneSFTConfig, BituneModelConfig, DatasetMixtureConfig, BituneArguments)
         super().__init__(dataclass_types, prog=prog, usage=USAGE, description=DESCRIPTION,
                          formatter_class=_HelpFormatter)
         for action in self._actions:
-            if action.dest in REFUSED_OPTIONS:
-                action.help = f"Refused: {REFUSED_OPTIONS[action.dest]}."
+            for value, reason in REFUSED_VALUES.get(action.dest, {}).items():
+                action.help = f"{action.help} Refused: {value!r}, since {reason}."
 
     def format_help(self) -> str:
         """argparse's help (usage, description, sections of options), with the options in the sections above."""
@@ -144,8 +144,8 @@ class BituneSFTParser(TrlParser):
         return formatter.format_help()
 
     def help_sections(self) -> dict[str, list[argparse.Action]]:
-        """Bitune's options (its adapter settings, the LoRA flags with Bitune's defaults, its training settings), the
-        refused ones, and all the others, each in the parser's order."""
+        """Bitune's options (its adapter settings, the LoRA flags with Bitune's defaults, its training settings), those
+        with refused values, and all the others, each in the parser's order."""
         trl_fields = {f.name for f in dataclasses.fields(SFTConfig)}
         bitune = [
             *(f.name for f in dataclasses.fields(BituneArguments)),
@@ -154,8 +154,8 @@ class BituneSFTParser(TrlParser):
         ]
         return {
             BITUNE_SECTION: sorted((a for a in self._actions if a.dest in bitune), key=lambda a: bitune.index(a.dest)),
-            REFUSED_SECTION: [action for action in self._actions if action.dest in REFUSED_OPTIONS],
-            OTHER_SECTION: [action for action in self._actions if action.dest not in {*bitune, *REFUSED_OPTIONS}],
+            REFUSED_SECTION: [action for action in self._actions if action.dest in REFUSED_VALUES],
+            OTHER_SECTION: [action for action in self._actions if action.dest not in {*bitune, *REFUSED_VALUES}],
         }
 
 

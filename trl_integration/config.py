@@ -51,8 +51,9 @@ class BituneSFTConfig(SFTConfig):
     assigned after the trainer is made are used (and checked). A run resumed from a checkpoint must use the values it
     was trained with, which the checkpoint records: other values are refused, naming the checkpoint's.
 
-    Refused settings (each with the reason in the error): `packing`, `padding_free` and `eval_packing` (a packed row
-    holds several instruction/answer pairs whose boundaries the Bitune forward cannot see).
+    Packing (`packing`, `eval_packing`, with TRL's `"bfd"` or `"bfd_split"`) and `padding_free` batches are read
+    example by example, computing no padding. Refused (with the reason in the error): `packing_strategy="wrapped"`,
+    which cuts examples mid-instruction.
     """
 
     mixing_logging_steps: int | None = field(
@@ -103,7 +104,7 @@ class BituneSFTConfig(SFTConfig):
             raise ValueError(
                 f"`mixing_logging_steps` must be a positive integer or None, got {self.mixing_logging_steps}."
             )
-        refuse_packing(self)
+        refuse_wrapped_packing(self)
         check_recipe_options(self)
         self._default_to_non_reentrant_checkpointing()
 
@@ -131,20 +132,22 @@ def check_recipe_options(args: Any) -> None:
     check_warmup_steps(args.mixing_warmup_steps, args.max_steps)
 
 
-_PACKED_ROWS = (
-    "packing and padding-free training put several instruction/answer pairs in one row, and the Bitune forward reads "
-    "one instruction per row (it finds it from the labels)"
-)
-# The `SFTConfig` options Bitune refuses when set, and why: told in the error, and in `bitune-sft --help`.
-REFUSED_OPTIONS = {"packing": _PACKED_ROWS, "padding_free": _PACKED_ROWS, "eval_packing": _PACKED_ROWS}
+# The `SFTConfig` values Bitune refuses, and why: told in the error, and in `bitune-sft --help`.
+REFUSED_VALUES = {
+    "packing_strategy": {
+        "wrapped": "it cuts examples anywhere, mid-instruction or mid-answer, and Bitune reads each packed example as "
+        "an instruction followed by its answer. Use \"bfd\" (the default, which truncates an example longer than "
+        "`max_length`) or \"bfd_split\" (which splits it; a piece that begins inside an answer is refused at its "
+        "batch)",
+    },
+}
 
 
-def refuse_packing(args: Any) -> None:
-    """Refuse packing and padding-free batches (checked when the config is made, and again by the trainer, since the
-    flags can be set afterwards)."""
-    for name, reason in REFUSED_OPTIONS.items():
-        if getattr(args, name, False):
-            raise ValueError(
-                f"`{name}=True` is not supported by Bitune: {reason}. Set `{name}=False`; batches are padded per "
-                "batch instead."
-            )
+def refuse_wrapped_packing(args: Any) -> None:
+    """Refuse packing strategies whose rows are not whole examples (checked when the config is made, and again by the
+    trainer, since the fields can be set afterwards). `"bfd"`, `"bfd_split"` and `padding_free` batches are read
+    example by example (`peft_bitune.tuner.packing`)."""
+    packs = args.packing or args.eval_packing
+    reason = REFUSED_VALUES["packing_strategy"].get(args.packing_strategy)
+    if packs and reason is not None:
+        raise ValueError(f"`packing_strategy={args.packing_strategy!r}` is not supported by Bitune: {reason}.")

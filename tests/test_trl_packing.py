@@ -1,0 +1,105 @@
+"""TRL's packing and padding-free batches through `BituneSFTTrainer` and TRL's own `SFTTrainer`: the packed run trains
+exactly as the padded run of the same examples, step by step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import trl_helpers as helpers
+from peft_bitune import BituneConfig
+from trl_integration import BituneSFTTrainer
+
+datasets.disable_progress_bars()
+
+MINIATURE = Path(__file__).resolve().parent.parent / "examples" / "miniature"
+EXAMPLES_PER_ROW = 2
+
+
+def miniature_rows_of_one_length(count: int) -> list[dict[str, str]]:
+    """`count` prompt-completion rows of the miniature's training set that tokenize to the same length, so that
+    TRL's "bfd" packing puts exactly `EXAMPLES_PER_ROW` of them in each packed row."""
+    tokenizer = AutoTokenizer.from_pretrained(MINIATURE / "base")
+    by_length: dict[int, list[dict[str, str]]] = {}
+    with open(MINIATURE / "data" / "train.jsonl") as lines:
+        for line in lines:
+            row = json.loads(line)
+            length = len(tokenizer(row["prompt"] + row["completion"])["input_ids"])
+            by_length.setdefault(length, []).append({"prompt": row["prompt"], "completion": row["completion"]})
+    rows = max(by_length.values(), key=len)
+    assert len(rows) >= count
+    return rows[:count]
+
+
+def miniature_run(tmp_path, rows, **args) -> BituneSFTTrainer:
+    settings = dict(
+        output_dir=str(tmp_path), max_steps=4, learning_rate=3e-3, bf16=False, report_to=[], logging_steps=1,
+        save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        train_sampling_strategy="sequential",
+    )
+    trainer = BituneSFTTrainer(
+        model=AutoModelForCausalLM.from_pretrained(MINIATURE / "base", attn_implementation="sdpa"),
+        args=helpers.training_args(**{**settings, **args}),
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=AutoTokenizer.from_pretrained(MINIATURE / "base"),
+        peft_config=BituneConfig(adapter_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")),
+    )
+    trainer.train()
+    return trainer
+
+
+def step_losses(trainer) -> torch.Tensor:
+    return torch.tensor([entry["loss"] for entry in trainer.state.log_history if "loss" in entry])
+
+
+def test_a_packed_run_on_the_miniature_trains_as_the_padded_run_of_the_same_examples(tmp_path):
+    rows = miniature_rows_of_one_length(4 * EXAMPLES_PER_ROW)
+    tokenizer = AutoTokenizer.from_pretrained(MINIATURE / "base")
+    tokens = len(tokenizer(rows[0]["prompt"] + rows[0]["completion"])["input_ids"]) + 1  # TRL appends EOS
+    max_length = EXAMPLES_PER_ROW * tokens + tokens // 2  # room for exactly EXAMPLES_PER_ROW examples
+    packed = miniature_run(tmp_path / "packed", rows, packing=True, max_length=max_length,
+                           per_device_train_batch_size=1)
+    packed_rows = packed.train_dataset
+    assert packed_rows["seq_lengths"] == [[tokens] * EXAMPLES_PER_ROW] * 4  # each step: the same examples as padded
+    # The padded run sees the examples in the order packing left them in.
+    order = {tuple(tokenizer(row["prompt"] + row["completion"])["input_ids"]): index for index, row in enumerate(rows)}
+    packed_order = [order[tuple(row[start : start + tokens - 1])]
+                    for row in packed_rows["input_ids"] for start in range(0, len(row), tokens)]
+    assert sorted(packed_order) == list(range(len(rows)))
+    padded = miniature_run(tmp_path / "padded", [rows[index] for index in packed_order],
+                           per_device_train_batch_size=EXAMPLES_PER_ROW, max_length=max_length)
+    assert padded.train_dataset.column_names != packed_rows.column_names  # not packed
+    losses = step_losses(packed)
+    assert len(losses) == 4 and losses[-1] < losses[0]  # it trains
+    torch.testing.assert_close(losses, step_losses(padded), atol=1e-5, rtol=1e-5)
+    # Adam moves every weight by up to the learning rate per step, whatever its gradient's size, so a gradient entry
+    # near zero turns float32 rounding into a move of that order: the weights agree to a tenth of one step.
+    got, want = helpers.trainable_state(packed.model), helpers.trainable_state(padded.model)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=packed.args.learning_rate / 10, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("args", [{"packing": True}, {"padding_free": True, "max_length": None}],
+                         ids=["packing", "padding_free"])
+def test_trls_own_sft_trainer_trains_a_bitune_adapter_on_packed_rows(tmp_path, trl_model_dir, args):
+    from trl import SFTConfig, SFTTrainer
+
+    config = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to=[],
+                       save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, dataloader_num_workers=0,
+                       logging_steps=1, model_init_kwargs={"attn_implementation": "sdpa"}, **args)
+    trainer = SFTTrainer(model=trl_model_dir, args=config, train_dataset=datasets.Dataset.from_list(
+        helpers.prompt_completion_rows(16)), processing_class=helpers.build_tokenizer(),
+        peft_config=helpers.small_bitune_config())
+    before = {name: value.clone() for name, value in helpers.trainable_state(trainer.model).items()}
+    trainer.train()
+    batch = helpers.first_batch(trainer)
+    assert batch["input_ids"].shape[0] == 1 and (batch["position_ids"] == 0).sum() > 1  # a padding-free batch
+    assert bool(torch.isfinite(step_losses(trainer)).all())
+    after = helpers.trainable_state(trainer.model)
+    assert any(not torch.equal(before[name], after[name]) for name in before)
