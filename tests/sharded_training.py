@@ -87,13 +87,23 @@ def loss_after_in_place_op(logits: torch.Tensor, labels: torch.Tensor) -> torch.
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def train(model, rows: slice, in_place_on_logits: bool = False, fused_head: bool = False) -> None:
-    """SGD steps on the rows `rows` of every batch; the loss is the model's own (through TRL's fused LM head if
-    `fused_head`), or recomputed from its logits after an in-place op on them."""
+def packed(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Right-padded rows as one padding-free row, as TRL's collator makes it: positions restart at 0 per row."""
+    real = attention_mask.bool()
+    positions = (attention_mask.cumsum(dim=1) - 1)[real]
+    return dict(input_ids=input_ids[real][None], labels=labels[real][None], position_ids=positions[None])
+
+
+def train(model, rows: slice, in_place_on_logits: bool = False, fused_head: bool = False,
+          packed_rows: bool = False) -> None:
+    """SGD steps on the rows `rows` of every batch (packed into one padding-free row if `packed_rows`); the loss is
+    the model's own (through TRL's fused LM head if `fused_head`), or recomputed from its logits after an in-place op
+    on them."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
     for ids, mask, labels in batches():
         head = {"fused_lm_head": True} if fused_head else {}
-        output = model(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows], **head)
+        batch = dict(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows])
+        output = model(**(packed(**batch) if packed_rows else batch), **head)
         loss = loss_after_in_place_op(output.logits, labels[rows]) if in_place_on_logits else output.loss
         loss.backward()
         optimizer.step()
@@ -244,7 +254,7 @@ def run_case(case: dict, output_dir: Path) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             train(sharded, slice(rank * ROWS_PER_PROCESS, (rank + 1) * ROWS_PER_PROCESS),
-                  case.get("in_place_on_logits", False), case.get("fused_head", False))
+                  case.get("in_place_on_logits", False), case.get("fused_head", False), case.get("packed", False))
         # FSDP2 warns when a unit returns a view: an in-place op on it would drop FSDP's backward hook.
         outcome["view_warnings"] = [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
         outcome["weights"] = gather_weights(sharded, case["sharding"], names)

@@ -35,6 +35,10 @@ CASES = [
     {"name": "fsdp2_fused_head_checkpointing", "sharding": "fsdp2", "fused_head": True,
      "gradient_checkpointing": True},
     {"name": "fsdp1", "sharding": "fsdp1"},
+    # Each process's rows packed into one padding-free row (TRL's `packing`), also checkpointed through the fused head.
+    {"name": "fsdp2_packed", "sharding": "fsdp2", "packed": True},
+    {"name": "fsdp2_packed_fused_head_checkpointing", "sharding": "fsdp2", "packed": True, "fused_head": True,
+     "gradient_checkpointing": True},
     {"name": "fsdp2_layers_only", "sharding": "fsdp2_layers_only"},
     # A multi-head model, whose checkpointed answer pass recomputes both prompt passes' keys/values in its layers.
     {"name": "fsdp2_checkpointing_multi_head", "sharding": "fsdp2", "gradient_checkpointing": True,
@@ -101,7 +105,7 @@ def test_reference_trains_both_weight_sets_and_the_mixing_scalars(reference):
     "case",
     [
         "fsdp2", "fsdp2_accelerate", "fsdp2_checkpointing", "fsdp2_in_place_on_logits", "fsdp2_fused_head",
-        "fsdp2_fused_head_checkpointing", "fsdp1",
+        "fsdp2_fused_head_checkpointing", "fsdp1", "fsdp2_packed", "fsdp2_packed_fused_head_checkpointing",
     ],
 )
 def test_sharded_training_matches_one_process(sharded_runs, reference, case):
