@@ -132,6 +132,7 @@ def load_engine(command: Command) -> Any:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .engine import ChatEngine
+    from .prompts import checked_prompt_builder
 
     config = read_adapter_config(args.adapter)
     if not is_bitune_type(config.peft_type):
@@ -146,11 +147,11 @@ def load_engine(command: Command) -> Any:
             raise fail(f"cannot load a tokenizer from the adapter {args.adapter!r} or the base model {args.model!r}: "
                        f"{error}.") from None
     chat_template = None if args.chat_template is None else Path(args.chat_template).read_text(encoding="utf-8")
-    if chat_template is None and not tokenizer.chat_template:
-        raise fail(f"the tokenizer of {args.adapter!r} has no chat template, so conversations cannot be rendered. "
-                   "Pass one with `--chat-template <file>` (a Jinja template, e.g. the one your adapter was trained "
-                   "with).")
-    check_chat_template(tokenizer, chat_template, config.multi_turn, args.chat_template)
+    where = f"--chat-template {args.chat_template!r}" if args.chat_template else "the tokenizer's chat template"
+    try:
+        checked_prompt_builder(tokenizer, chat_template, config.multi_turn, where)
+    except ValueError as error:
+        raise fail(str(error)) from None
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     try:
         base = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
@@ -211,25 +212,6 @@ def config_file_problem(adapter: str) -> str | None:
         return (f"{path} has the `peft_type` {json.dumps(peft_type)[:40]}, which is no adapter method PEFT knows here "
                 "(a Bitune adapter's is \"BITUNE\")")
     return None
-
-
-def check_chat_template(tokenizer: Any, chat_template: str | None, multi_turn: str, path: str | None) -> None:
-    """Compile and render the template once on a plain conversation (and, for an alternating adapter, find its
-    answers by its `{% generation %}` markers or TRL's), so that a template that is broken, or that training could not
-    have used, stops the server now rather than failing every request."""
-    from jinja2 import TemplateError
-
-    from .prompts import PromptBuilder, PromptLayoutError
-
-    where = f"--chat-template {path!r}" if path else "the tokenizer's chat template"
-    try:
-        PromptBuilder(tokenizer, chat_template, multi_turn).check()
-    except TemplateError as error:
-        line = f" (line {error.lineno})" if getattr(error, "lineno", None) else ""
-        raise fail(f"{where} fails on a plain conversation: {type(error).__name__}: {str(error).rstrip('.')}{line}. "
-                   "Fix the template.") from None
-    except PromptLayoutError as error:
-        raise fail(f"{where} cannot be used with this adapter (multi_turn={multi_turn!r}): {error}") from None
 
 
 def bind_or_fail(host: str, port: int) -> socket.socket:

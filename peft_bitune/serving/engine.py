@@ -30,7 +30,7 @@ from ..tuner.find_tuner import find_bitune_tuner
 from ..utils.base_model import max_positions
 from .batching import RowStops, row_cache, stack_left_padded
 from .conversations import ConversationStore, KeptConversation
-from .prompts import Prompt, PromptBuilder, PromptLayoutError
+from .prompts import Prompt, checked_prompt_builder
 from .settings import BatchLimits
 from .streaming import RowStreams, StopStrings, answer_text, cut_at_stop
 from .worker import ModelWorker
@@ -97,11 +97,6 @@ class ChatEngine:
         cache_budget_bytes: int,
         limits: BatchLimits | None = None,
     ) -> None:
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "The tokenizer has no chat template, so conversations cannot be rendered: pass one with "
-                "`--chat-template <file>` (a Jinja template, as for vLLM's server), or use a tokenizer that has one."
-            )
         tuner = find_bitune_tuner(model)
         if tuner is None:
             raise ValueError(f"`model` has no Bitune adapter ({type(model).__name__}); load one with PeftModel.")
@@ -109,14 +104,7 @@ class ChatEngine:
         self.tokenizer = tokenizer
         self.tuner = tuner
         self.multi_turn = tuner.peft_config[tuner.active_adapter].multi_turn
-        from jinja2 import TemplateError  # chat templates need jinja2 (the `serve` extra)
-
-        try:
-            self.prompts = PromptBuilder(tokenizer, chat_template, self.multi_turn)
-            self.prompts.check()
-        except (TemplateError, PromptLayoutError) as error:
-            raise ValueError(f"The chat template cannot be used with this adapter (multi_turn={self.multi_turn!r}): "
-                             f"{type(error).__name__}: {error}") from error
+        self.prompts = checked_prompt_builder(tokenizer, chat_template, self.multi_turn)
         self.store = ConversationStore(cache_budget_bytes)
         self.max_positions = max_positions(model)
         self.chars_per_token = max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
@@ -135,9 +123,7 @@ class ChatEngine:
 
     def room_for(self, prompt_tokens: int, max_tokens: int | None) -> bool:
         """Whether a prompt of this many tokens and its answer fit in the model's positions."""
-        if self.max_positions is None:
-            return True
-        return prompt_tokens + (max_tokens or 1) <= self.max_positions
+        return self.max_positions is None or prompt_tokens + (max_tokens or 1) <= self.max_positions
 
     def submit(
         self, request: ChatRequest, streamer: Any = None, cancelled: threading.Event | None = None

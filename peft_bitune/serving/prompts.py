@@ -126,6 +126,29 @@ class PromptBuilder:
             )
 
 
+def checked_prompt_builder(
+    tokenizer: Any, chat_template: str | None, multi_turn: MultiTurnMode, where: str = "The chat template"
+) -> PromptBuilder:
+    """A `PromptBuilder` whose template (`where`, for messages) was compiled, rendered once on a plain conversation and
+    laid out, so that a template that is missing, broken, or that training could not have used stops the server at
+    startup (`ValueError`, saying what to do) rather than failing every request."""
+    from jinja2 import TemplateError  # chat templates need jinja2 (the `serve` extra)
+
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("The tokenizer has no chat template, so conversations cannot be rendered. Pass one with "
+                         "`--chat-template <file>` (a Jinja template, e.g. the one your adapter was trained with).")
+    try:
+        builder = PromptBuilder(tokenizer, chat_template, multi_turn)
+        builder.check()
+    except TemplateError as error:
+        line = f" (line {error.lineno})" if getattr(error, "lineno", None) else ""
+        raise ValueError(f"{where} fails on a plain conversation: {type(error).__name__}: {str(error).rstrip('.')}"
+                         f"{line}. Fix the template.") from error
+    except PromptLayoutError as error:
+        raise ValueError(f"{where} cannot be used with this adapter (multi_turn={multi_turn!r}): {error}") from error
+    return builder
+
+
 def training_chat_template(tokenizer: Any, chat_template: str | None) -> str:
     """
     The chat template TRL's `SFTTrainer` (`assistant_only_loss=True`, the only way Bitune trains conversations)

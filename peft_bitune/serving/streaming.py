@@ -27,9 +27,7 @@ def answer_text(tokenizer: Any, token_ids: list[int]) -> str:
     """An answer's whole text, decoded exactly as `IncrementalDecoder` streams it, special tokens skipped: by the
     Rust tokenizer itself, since `DecodeStream` never applies transformers' `clean_up_tokenization_spaces`."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return tokenizer.decode(token_ids, skip_special_tokens=True)
-    return backend.decode(token_ids, skip_special_tokens=True)
+    return (tokenizer if backend is None else backend).decode(token_ids, skip_special_tokens=True)
 
 
 def incremental_decoder(tokenizer: Any) -> IncrementalDecoder | WindowDecoder:

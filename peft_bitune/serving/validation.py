@@ -38,8 +38,7 @@ from typing_extensions import TypedDict
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_STOP_LENGTH = 512  # characters per stop sequence (OpenAI states no limit; ours bounds what a stream holds back)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
-# Strict: an integer field takes a JSON integer only (not 1.0 or true), a boolean a JSON boolean (not 1 or "true"), a
-# string a string; a number field takes an integer or a finite number. Unknown keys are refused, at every level.
+# Strict (see the module docstring; a boolean field takes a JSON boolean only, not 1 or "true"), at every level.
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
@@ -79,14 +78,10 @@ def _valid_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
-def _form(value: Any) -> str:
-    """Which form of OpenAI's "a string or a list" fields a value takes, so that only that form's errors are told."""
-    return "string" if isinstance(value, str) else "list"
-
-
 def _string_or_list(string: Any, items: Any) -> Any:
-    """OpenAI's `str | list[...]` fields, discriminated by `_form`."""
-    return Annotated[Annotated[string, Tag("string")] | Annotated[items, Tag("list")], Discriminator(_form)]
+    """OpenAI's `str | list[...]` fields, discriminated by the value's form, so that only its form's errors show."""
+    form = Discriminator(lambda value: "string" if isinstance(value, str) else "list")
+    return Annotated[Annotated[string, Tag("string")] | Annotated[items, Tag("list")], form]
 
 
 Role = Literal["system", "developer", "user", "assistant"]
@@ -193,7 +188,7 @@ _EXPECTED = {
     ("user",): "a string",
     ("prompt_cache_key",): "a string",
 }
-_UNION_FIELDS = {"content", "stop"}  # their errors' locations hold the form `_form` chose, which the request does not
+_UNION_FIELDS = {"content", "stop"}  # their errors' locations hold the form (`_string_or_list`), not in the request
 _SHOWN = reprlib.Repr()  # a refused value, shown short however large it is
 _SHOWN.maxstring = _SHOWN.maxother = 80
 _SHOWN.maxlist = _SHOWN.maxdict = 4
