@@ -17,7 +17,8 @@ Read in this order:
 
 The rest adapts the method to its surroundings: `prompt_pass_end.py` (a prompt pass ends once its last layer has
 recorded), `fused_head.py` (TRL's fused-head call), `sharding.py` (FSDP2), `quantization.py` (QLoRA bases) and
-`find_tuner.py` (the tuner inside a wrapped model); `adapter_batches.py` runs a batch that names an adapter per row
+`find_tuner.py` (the tuner inside a wrapped model), `packing.py` (packed rows: example boundaries and per-pass
+masks); `adapter_batches.py` runs a batch that names an adapter per row
 (PEFT's `adapter_names`) as one batch, each pass routing every row to its own adapter's weight set.
 
 Each input is checked once, where it enters, into a value that carries what the check learned; nothing downstream

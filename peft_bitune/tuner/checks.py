@@ -288,7 +288,7 @@ def check_training_inputs(
     lengths = check_contiguous_rows(valid)
     packed = read_packed_examples(kwargs, valid)
     check_training_arguments(kwargs)
-    if position_limit is not None:
+    if position_limit is not None and valid.shape[1] > position_limit:  # only then can a row (or example) be too long
         longest, what = (lengths, "A row") if packed is None else (packed.lengths, "A packed example")
         check_fits_positions(int(longest.max()), position_limit, what)
     if prompt_mask is not None:
