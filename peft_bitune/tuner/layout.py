@@ -11,6 +11,10 @@ at once:
 The passes keep their cache left-padded (real tokens at the right end, see `caches.TrainingCache`), so cache plus chunk
 always gives each row one contiguous run of real tokens: all that transformers' mask machinery (padding, sliding
 windows) needs. Positions are the ordinary 0..n-1 of each row.
+
+A packed batch (several examples per row, `packing.py`) is laid out as if each example were a row of its own; each
+chunk then keeps only its real tokens, as one row over the flattened batch, with each token's example and position
+(`packing.Places`) for the pass's mask. Its cache has no padding, so it is never re-padded.
 """
 
 from __future__ import annotations
@@ -190,7 +194,7 @@ class ConversationLayout:
         labels = None
         if inputs.labels is not None:
             labels = inputs.labels.flatten()[token_index].masked_fill(~valid, IGNORE_INDEX)
-        virtual = replace(inputs, sequence=inputs.sequence, valid=valid, is_answer=is_answer, labels=labels,
+        virtual = replace(inputs, valid=valid, is_answer=is_answer, labels=labels,
                           row_starts=torch.zeros_like(packed.lengths), row_lengths=packed.lengths, packed=None)
         rows = cls.from_inputs(virtual, mode, read_rows_without_answer)
         all_rows = torch.arange(count, device=valid.device)

@@ -234,8 +234,7 @@ class BitunePasses:
     ) -> Any:
         """
         Step 4: x_m and the answer, causal weights, over `cache`, whose positions `past` marks (its mask, or a packed
-        cache's places). Returns the
-        model's output; a recording `cache` then holds the chunk's causal keys/values.
+        cache's places). Returns the model's output; a recording `cache` then holds the chunk's causal keys/values.
 
         The output holds the chunk's logits (rows, width, vocab); with `fused_head`, it is TRL's fused-head output of
         the chunk instead (per-token log-probabilities of the chunk's labels, never the logits): the base model
