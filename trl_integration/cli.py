@@ -43,11 +43,9 @@ TRAINING_MODULE = "trl_integration.cli"
 
 
 def _bitune_arguments() -> type:
-    """
-    The Bitune settings of `BituneConfig` other than the weight-set method (which the `--lora_*` flags set) and the
-    records of the base model (which are not settings), as a dataclass for TRL's parser: the same names, types (a
-    `Literal` gives its flag the choices), defaults and help texts, taken from `BituneConfig` itself.
-    """
+    """The Bitune settings of `BituneConfig` (not the weight-set method, which the `--lora_*` flags set, nor the base
+    model's records) as a dataclass for TRL's parser, with their names, types (a `Literal` gives its flag the
+    choices), defaults and help texts."""
     peft_fields = {f.name for f in dataclasses.fields(PeftConfig)}
     types = typing.get_type_hints(BituneConfig)
     settings = [
@@ -64,6 +62,12 @@ def _bitune_arguments() -> type:
 BituneArguments = _bitune_arguments()
 
 
+def _bitune_lora_default(what: str, trl_default: str, **default: Any) -> Any:
+    """A `--lora_*` field with Bitune's default, whose help says what `trl sft`'s is."""
+    help_text = f"LoRA {what} of both weight sets (Bitune's default; `trl sft` uses {trl_default})."
+    return field(**default, metadata={"help": help_text})
+
+
 @dataclass
 class BituneModelConfig(ModelConfig):
     """
@@ -74,21 +78,12 @@ class BituneModelConfig(ModelConfig):
     """
 
     use_peft: bool = field(default=True, metadata={"help": argparse.SUPPRESS})
-    lora_r: int = field(
-        default=8, metadata={"help": "LoRA R value of both weight sets (Bitune's default; `trl sft` uses 16)."}
-    )
-    lora_alpha: int = field(
-        default=16, metadata={"help": "LoRA alpha of both weight sets (Bitune's default; `trl sft` uses 32)."}
-    )
-    lora_dropout: float = field(
-        default=0.0, metadata={"help": "LoRA dropout of both weight sets (Bitune's default; `trl sft` uses 0.05)."}
-    )
-    lora_target_modules: list[str] | None = field(
+    lora_r: int = _bitune_lora_default("R value", "16", default=8)
+    lora_alpha: int = _bitune_lora_default("alpha", "32", default=16)
+    lora_dropout: float = _bitune_lora_default("dropout", "0.05", default=0.0)
+    lora_target_modules: list[str] | None = _bitune_lora_default(
+        "target modules", "PEFT's per-architecture default, usually the attention projections only",
         default_factory=lambda: ["all-linear"],
-        metadata={
-            "help": "LoRA target modules of both weight sets (Bitune's default: all-linear, as in the paper; "
-            "`trl sft` uses PEFT's per-architecture default, usually the attention projections only)."
-        },
     )
 
     def __post_init__(self) -> None:
@@ -322,14 +317,11 @@ def run(
     from .trainer import BituneSFTTrainer
 
     peft_config = build_peft_config(model_args, bitune_args)  # validated before any loading
-    model_init_kwargs = dict(
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
-    )
-    model_init_kwargs.update(training_args.model_init_kwargs or {})
-    training_args.model_init_kwargs = model_init_kwargs
+    training_args.model_init_kwargs = {
+        "revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype,
+        **(training_args.model_init_kwargs or {}),
+    }
 
     if dataset_args.datasets:
         if script_args.dataset_name:

@@ -4,6 +4,7 @@ wording of TRL's card."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -72,12 +73,9 @@ class BituneModelCardMixin:
     def create_model_card(
         self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
     ) -> None:
-        """
-        The model card of a Bitune adapter trained with TRL: TRL's card data (tags, datasets, model name), in a card
-        named after the output (the Hub repo or the output folder) when `model_name` is not given, that names the base
-        model as the adapter config records it and shows the lines that load the adapter, where TRL's card has a
-        `pipeline(...)` quick start that cannot load it.
-        """
+        """The model card of a Bitune adapter trained with TRL: TRL's card data, named after the output (the Hub repo
+        or the output folder) unless `model_name` is given, with the base model as the adapter config records it and
+        the lines that load the adapter, where TRL's card has a `pipeline(...)` quick start that cannot load it."""
         location = getattr(self, "hub_model_id", None) or self.args.hub_model_id or self.args.output_dir
         if model_name is None:
             model_name = os.path.basename(str(location).rstrip("/"))
@@ -122,8 +120,6 @@ def _run_links() -> dict[str, str | None]:
 def _installed_versions() -> dict[str, str]:
     installed = {}
     for name, distribution in _FRAMEWORKS.items():
-        try:
+        with contextlib.suppress(PackageNotFoundError):  # e.g. peft-bitune run from a source checkout
             installed[name] = version(distribution)
-        except PackageNotFoundError:  # e.g. peft-bitune run from a source checkout
-            continue
     return installed

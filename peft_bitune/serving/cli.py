@@ -1,9 +1,5 @@
 """`bitune-serve`: an OpenAI-compatible chat server for a Bitune adapter.
 
-    bitune-serve --model BASE --adapter ADAPTER [--chat-template FILE] [--host 127.0.0.1] [--port 8000]
-                 [--api-key KEY] [--allowed-origins ORIGIN ...] [--max-request-bytes N] [--docs]
-                 [--max-batch-size N] [--max-batch-tokens N]
-
 `transformers serve` cannot load a Bitune adapter (it loads models with `from_pretrained`), and vLLM, TGI and llama.cpp
 cannot prefill a prompt twice with two weight sets; see docs/serving.md.
 
