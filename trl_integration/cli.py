@@ -227,8 +227,7 @@ def _recorded_error(failure: BaseException, error_file: str) -> str | None:
     if isinstance(failure, ChildFailedError):
         recorded = failure.get_first_failure()[1].error_file_data
     elif os.path.isfile(error_file):
-        with open(error_file, encoding="utf-8") as file:
-            recorded = json.load(file)
+        recorded = json.loads(Path(error_file).read_text(encoding="utf-8"))
     else:
         return None
     message = recorded.get("message")

@@ -98,13 +98,10 @@ class BituneReferenceMixin(BituneModelCardMixin):
         keep_mixing_scalars_in_float32(self.model)  # TRL casts a quantized model's trainable parameters to bf16
         self._prepare_reference()
 
-    def _uses_reference(self) -> bool:
-        """Whether the trainer computes reference log-probabilities at all (GRPO and RLOO only when `beta` != 0)."""
-        return True
-
     @staticmethod
     def _reference_asked(args: Any) -> bool:
-        """`_uses_reference` before the trainer is made, from its config (`None`: TRL's default one)."""
+        """Whether a trainer of this config (`None`: TRL's default one) computes reference log-probabilities at all
+        (GRPO and RLOO only when `beta` != 0)."""
         return True
 
     def _prepare_reference(self) -> None:
@@ -112,7 +109,7 @@ class BituneReferenceMixin(BituneModelCardMixin):
         if self._bitune_reference_ready:
             return
         self._bitune_reference_ready = True
-        if getattr(self, "ref_model", None) is not None or not self._uses_reference():
+        if getattr(self, "ref_model", None) is not None or not self._reference_asked(self.args):
             return
         copy_policy_to_reference(self.accelerator.unwrap_model(self.model))
 
@@ -215,9 +212,6 @@ class _PrecomputedReferenceMixin(BituneReferenceMixin):
 
 class _KLPenaltyMixin(BituneReferenceMixin):
     """GRPO and RLOO compute reference log-probabilities only for their KL penalty (`beta` != 0)."""
-
-    def _uses_reference(self) -> bool:
-        return self.beta != 0.0
 
     @staticmethod
     def _reference_asked(args: Any) -> bool:

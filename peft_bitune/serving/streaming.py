@@ -1,13 +1,8 @@
-"""Streaming an answer while `generate` runs: its text piece by piece, each row of a batch to its own client, and
-stop strings.
-
-`TextStream` is a transformers streamer (the public `put`/`end` protocol of `generate(streamer=...)`): it decodes the
-new tokens incrementally (tokenizers' `DecodeStream`) and hands each new piece of text to a callback. `RowStreams` is
-the streamer of a batch: it hands each row's tokens to that row's `TextStream` until the row has ended
-(`batching.RowStops`). `StopTextFilter` holds back text that may be the start of a stop string, so that a stream ends
-exactly where the whole answer is cut (`cut_at_stop`), and `StopStrings` ends a row of a batch at its stop strings by
-the same rule. Each searches only the new text and the tail held back, so each piece costs time bounded by the stop
-strings' capped lengths, and they keep nothing beyond their request.
+"""Streaming an answer while `generate` runs (transformers' public streamer protocol, `put`/`end`): its text piece by
+piece (`TextStream`), each row of a batch to its own client (`RowStreams`), and stop strings by one rule, so that a
+stream ends exactly where the whole answer is cut (`StopTextFilter`, `StopStrings`, `cut_at_stop`). Each searches
+only the new text and the tail held back, so each piece costs time bounded by the stop strings' capped lengths, and
+they keep nothing beyond their request.
 """
 
 from __future__ import annotations
