@@ -70,12 +70,9 @@ def _bitune_lora_default(what: str, trl_default: str, **default: Any) -> Any:
 
 @dataclass
 class BituneModelConfig(ModelConfig):
-    """
-    TRL's `ModelConfig` with Bitune's (the paper's) LoRA defaults for both weight sets: r=8, alpha=16, no dropout, all
-    linear layers, where `trl sft` uses r=16, alpha=32, dropout 0.05 and PEFT's per-architecture target modules.
-    `--use_peft` is always on (a Bitune adapter is a PEFT adapter), so it is hidden from `--help`; turning it off is
-    refused.
-    """
+    """TRL's `ModelConfig` with Bitune's (the paper's) LoRA defaults for both weight sets, which the help texts
+    compare with `trl sft`'s. `--use_peft` is always on (a Bitune adapter is a PEFT adapter), so it is hidden from
+    `--help`; turning it off is refused."""
 
     use_peft: bool = field(default=True, metadata={"help": argparse.SUPPRESS})
     lora_r: int = _bitune_lora_default("R value", "16", default=8)
@@ -167,13 +164,11 @@ def build_peft_config(model_args: ModelConfig, bitune_args: BituneArguments) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """
-    `bitune-sft`: launch a training run through `accelerate launch`, the way `trl sft` does: the arguments that the
-    training parser knows (and `--config`) go to the training script, `python -m trl_integration.cli`; the others
+    """`bitune-sft`: launch a training run through `accelerate launch`, the way `trl sft` does: the arguments that
+    the training parser knows (and `--config`) go to the training script, `python -m trl_integration.cli`; the others
     (`--num_processes`, `--config_file`, ... and TRL's `--accelerate_config zero2|fsdp2|<file>`) to the launcher. When
     a training process fails, the error it recorded (`@record`) is printed last (not the launcher's), and
-    `bitune-sft` exits with the process's status.
-    """
+    `bitune-sft` exits with the process's status."""
     from accelerate.commands.launch import launch_command, launch_command_parser
     from accelerate.utils import patch_environment
     from trl.cli.accelerate_config import resolve_accelerate_config_argument

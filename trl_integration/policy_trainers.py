@@ -66,12 +66,10 @@ _ARGUMENTS_BITUNE_CANNOT_RUN = {
 
 
 class BituneReferenceMixin(BituneModelCardMixin):
-    """
-    Train a Bitune adapter with a TRL trainer (mixed in before its class) whose reference is the policy as training
+    """Train a Bitune adapter with a TRL trainer (mixed in before its class) whose reference is the policy as training
     starts (see the module's docstring), and write a Bitune adapter's model card. Every argument means what it means
     for the TRL trainer, but `peft_config` defaults to `BituneConfig()` and must be a `BituneConfig`, `model` may be a
-    `PeftModel` only with a Bitune adapter, and what a Bitune adapter cannot run is refused before the model loads.
-    """
+    `PeftModel` only with a Bitune adapter, and what a Bitune adapter cannot run is refused before the model loads."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
@@ -115,12 +113,10 @@ class BituneReferenceMixin(BituneModelCardMixin):
 
 
 def copy_policy_to_reference(model: PeftModel) -> None:
-    """
-    Make the "ref" adapter of a Bitune `PeftModel` an exact, frozen copy of its active adapter: the same config, and
-    PEFT's state dict of the adapter (both weight sets and the mixing scalars) put in by PEFT as it loads one, each
-    tensor with its dtype (TRL casts a quantized model's trainable weights to bf16; a float32 copy would compute other
-    log-probabilities); checked against the state dicts. It never trains, even while TRL makes it the active adapter.
-    """
+    """Make the "ref" adapter of a Bitune `PeftModel` an exact, frozen copy of its active adapter: the same config,
+    and PEFT's state dict of the adapter put in by PEFT as it loads one, each tensor with its dtype (TRL casts a
+    quantized model's trainable weights to bf16; a float32 copy would compute other log-probabilities); checked
+    against the state dicts. It never trains, even while TRL makes it the active adapter."""
     policy = model.active_adapter
     if REFERENCE_ADAPTER in model.peft_config:
         # TRL adds "ref" from the config of the adapter named "default", which is not the policy's when another

@@ -25,11 +25,9 @@ from .streaming import StopStrings
 
 
 def stack_left_padded(caches: Sequence[BituneCache], model: Any) -> BituneCache:
-    """
-    One cache holding every row of `caches` (each of one conversation, all of this model's and without sliding-window
-    layers), left-padded with zeros to the longest: row i's columns are the last `caches[i].get_seq_length()` ones.
-    The conversation it stands for is left for the caller to record (ids and mask of the padded prompts).
-    """
+    """One cache holding every row of `caches` (each of one conversation, without sliding-window layers), left-padded
+    with zeros to the longest: row i's columns are the last `caches[i].get_seq_length()` ones. The caller records the
+    conversation it stands for (ids and mask of the padded prompts)."""
     lengths = [cache.get_seq_length() for cache in caches]
     width = max(lengths)
     keys, values = [], []
@@ -51,11 +49,8 @@ def stack_left_padded(caches: Sequence[BituneCache], model: Any) -> BituneCache:
 def row_cache(
     batched: BituneCache, row: int, start: int, end: int, conversation: list[int], model: Any
 ) -> BituneCache:
-    """
-    Columns `start:end` of one row of a batched cache, as a cache of that conversation alone (`conversation`: the
-    token ids it stands for). Copied, so that keeping it keeps none of the batch's memory alive (the kept-conversation
-    budget counts each kept cache's own bytes).
-    """
+    """Columns `start:end` of one row of a batched cache, as a cache of that conversation alone (the token ids
+    `conversation`), copied: keeping it keeps none of the batch's memory alive (the budget counts each cache's own)."""
     cache = BituneCache(config=model.config, owner=model)
     cache.append_key_values(
         [layer.keys[row : row + 1, :, start:end].clone() for layer in batched.layers],
@@ -69,13 +64,10 @@ def row_cache(
 @dataclass(eq=False)  # compared and hashed by identity, as any stopping criterion
 class RowStops(StoppingCriteria):
     """
-    Ends each row of a batch on its own: at its own `max_tokens`, at an end-of-sequence token, at one of its stop
-    strings, or once its client has left. `lengths[i]` is how many tokens row i had generated when it ended (None
-    while it runs); `generate` then feeds it padding until every row has ended, which nothing uses.
-
-    `max_new_tokens`, `stop_criteria` (a `streaming.StopStrings` or None) and `cancelled` (a `threading.Event` set
-    when the client left, or None) are per row. `on_end(row, sequences)` is called once a row has ended (the batch's
-    cache then holds the row's columns up to its last token but one).
+    Ends each row of a batch on its own: at its own `max_new_tokens`, at an end-of-sequence token, at one of its stop
+    strings (`stop_criteria`), or once its client has left (`cancelled`). `lengths[i]` is how many tokens row i had
+    generated when it ended (None while it runs); `generate` then feeds it padding, which nothing uses. `on_end(row,
+    sequences)` is called as a row ends (the batch's cache then holds its columns up to its last token but one).
     """
 
     prompt_width: int  # the columns of the padded prompts

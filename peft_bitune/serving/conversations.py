@@ -96,12 +96,9 @@ def cache_nbytes(cache: BituneCache) -> int:
 
 
 class ConversationStore:
-    """
-    Kept conversations under a memory budget for all their caches together (`max_bytes`; 0 keeps nothing, every
-    request is a full prefill), least recently used dropped first. `take` hands a kept conversation over to the
-    request that reuses it (it leaves the store: `generate` extends the cache in place, and the result is kept again
-    as a new conversation); one that is never reused stays until the budget needs its room.
-    """
+    """Kept conversations under a memory budget for all their caches together (`max_bytes`; 0 keeps nothing),
+    least recently used dropped first. `take` hands a kept conversation over to the request that reuses it (it
+    leaves the store: `generate` extends the cache in place, and the result is kept again as a new conversation)."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:

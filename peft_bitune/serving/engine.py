@@ -80,14 +80,9 @@ class _Read:
 
 
 class ChatEngine:
-    """
-    A Bitune `PeftModel` in eval mode, its tokenizer and chat template (`chat_template` overrides the tokenizer's own;
-    one of the two is required), the kept conversations (`cache_budget_bytes`; 0: every turn a full prefill), and the
-    one worker thread, which answers waiting requests together within `limits`.
-
-    The chat template is tried once here, so that one that fails, or that an alternating adapter cannot have been
-    trained with (no `{% generation %}` markers, and none TRL can add), is refused before any request (`ValueError`).
-    """
+    """A Bitune `PeftModel` in eval mode, its tokenizer and chat template (`chat_template` overrides the tokenizer's
+    own; checked here, `prompts.checked_prompt_builder`), the kept conversations (`cache_budget_bytes`; 0: every turn
+    a full prefill), and the one worker thread, which answers waiting requests together within `limits`."""
 
     def __init__(
         self,
@@ -128,12 +123,10 @@ class ChatEngine:
     def submit(
         self, request: ChatRequest, streamer: Any = None, cancelled: threading.Event | None = None
     ) -> Future:
-        """
-        Queue a request on the worker (answered in its next batch, with the waiting requests that `can_join` it);
+        """Queue a request on the worker (answered in its next batch, with the waiting requests that `can_join` it);
         returns the future of its `ChatResult` (None if its client left first). `streamer` receives the answer's
-        tokens as they come (`streaming.TextStream`). Once `cancelled` is set (the client left), the request's row
-        ends at the next token, unstreamed and not kept; set before the request started, no work is done for it.
-        """
+        tokens as they come. Once `cancelled` is set (the client left), the request's row ends at the next token,
+        unstreamed and not kept; set before the request started, no work is done for it."""
         return self.worker.submit_item(self, _Row(request, streamer, cancelled, _sampling_settings(request)))
 
     def run(
@@ -168,12 +161,10 @@ class ChatEngine:
     def run_batch(
         self, rows: list[_Row], deliver: Callable[[int, Any], None] | None = None
     ) -> list[ChatResult | BaseException | None]:
-        """
-        Answer rows together, on the worker thread: each row's prompt read alone (`read`, from its kept conversation
+        """Answer rows together, on the worker thread: each row's prompt read alone (`read`, from its kept conversation
         where there is one), then all decoded in one `generate`. One result per row: a `ChatResult`, None for a row
         whose client left, or the exception of a row that failed (which drops the kept conversation it took: its
-        cache may be half extended). `deliver(index, result)` gets a row's result as soon as the row has ended.
-        """
+        cache may be half extended). `deliver(index, result)` gets a row's result as soon as the row has ended."""
         results: list[ChatResult | BaseException | None] = [None] * len(rows)
         ready: list[tuple[int, _Read]] = []
         for index, row in enumerate(rows):
@@ -268,14 +259,10 @@ class ChatEngine:
         return StopStrings(self.tokenizer, stop) if stop else None
 
     def read(self, prompt: Prompt, cache: BituneCache | None = None, cached: int = 0) -> BituneCache:
-        """
-        The cache of `prompt` minus its last token, laid out segment by segment, ready for `generate`.
-
-        Each instruction segment but its last token is read twice over the cache so far and mixed
-        (`prefill(cache=...)`); the tokens between (the instruction's last token, then the answer) run causally
-        first. Given a `cache` whose first `cached` positions hold `prompt`'s first tokens exactly so, it is cropped
-        to them and only the rest is read.
-        """
+        """The cache of `prompt` minus its last token, ready for `generate`: each instruction segment but its last
+        token read twice over the cache so far and mixed (`prefill(cache=...)`), the tokens between (the instruction's
+        last token, then the answer) causally first. Given a `cache` whose first `cached` positions hold `prompt`'s
+        first tokens exactly so, it is cropped to them and only the rest is read."""
         ids = prompt.token_ids
         if cache is not None and cached < cache.get_seq_length():
             cache.crop(cached - cache.get_seq_length())  # a negative count removes that many (every release's form)

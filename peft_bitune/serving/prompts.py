@@ -73,12 +73,10 @@ class Prompt:
 
 
 class PromptBuilder:
-    """
-    Renders conversations with the chat template training used (`chat_template` overrides the tokenizer's own; where
-    TRL's `SFTTrainer` would swap in its training template, `training_chat_template`, that one is used) and lays them
+    """Renders conversations with the chat template training used (`chat_template` overrides the tokenizer's own;
+    where TRL's `SFTTrainer` would swap in its training template, `training_chat_template`, that one) and lays them
     out for the adapter's `multi_turn`. An alternating adapter needs a template with `{% generation %}` markers, or
-    one TRL adds them to: another raises `PromptLayoutError`.
-    """
+    one TRL adds them to: another raises `PromptLayoutError`."""
 
     def __init__(self, tokenizer: Any, chat_template: str | None, multi_turn: MultiTurnMode):
         self.tokenizer = tokenizer
@@ -150,12 +148,10 @@ def checked_prompt_builder(
 
 
 def training_chat_template(tokenizer: Any, chat_template: str | None) -> str:
-    """
-    The chat template TRL's `SFTTrainer` (`assistant_only_loss=True`, the only way Bitune trains conversations)
-    renders conversations with in place of `chat_template` (the tokenizer's own if None), which has no
-    `{% generation %}` markers: TRL's training template, with markers. Raises `PromptLayoutError` with TRL's reason
-    for a template TRL does not know (`SFTTrainer` refuses to train on conversations with it).
-    """
+    """The chat template TRL's `SFTTrainer` (`assistant_only_loss=True`, the only way Bitune trains conversations)
+    renders with in place of `chat_template` (the tokenizer's own if None), which has no `{% generation %}` markers:
+    TRL's training template, with markers. Raises `PromptLayoutError` with TRL's reason for a template TRL does not
+    know (`SFTTrainer` refuses to train on conversations with it)."""
     from jinja2 import TemplateError  # chat templates need jinja2 (the `serve` extra)
 
     if chat_template is not None and chat_template != tokenizer.chat_template:

@@ -34,12 +34,9 @@ def incremental_decoder(tokenizer: Any) -> IncrementalDecoder | WindowDecoder:
 
 
 class IncrementalDecoder:
-    """
-    Decodes token ids into text as they come, with tokenizers' `DecodeStream` over the Rust tokenizer `backend` (TGI's
-    incremental detokenization): a token that completes a character only with the next one (a byte of UTF-8, a word
-    piece) waits for it, each token costs the same however long the answer grows, and the pieces add up to
-    `answer_text`.
-    """
+    """Decodes token ids into text as they come, with tokenizers' `DecodeStream` over the Rust tokenizer `backend`
+    (TGI's incremental detokenization): a token that completes a character only with the next one waits for it, each
+    token costs the same however long the answer grows, and the pieces add up to `answer_text`."""
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
@@ -138,12 +135,10 @@ def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
 
 
 class StopTextFilter:
-    """
-    Streams text that cannot be the start of a stop string, so that a stream ends exactly where the whole answer is
-    cut (`cut_at_stop`): the tail that might begin a stop string (at most the longest stop string but one character)
-    is held back until it is decided. Each piece is searched with the held-back tail only, so its cost is bounded by
-    the piece and the stop strings (at most 4 of 512 characters, `validation.py`), as vLLM searches the decoded tail.
-    """
+    """Streams text that cannot be the start of a stop string, so that a stream ends exactly where the whole answer is
+    cut (`cut_at_stop`): the tail that might begin one is held back until it is decided. Each piece is searched with
+    that tail only, so its cost is bounded by the piece and the stop strings (at most 4 of 512 characters,
+    `validation.py`), as vLLM searches the decoded tail."""
 
     def __init__(self, stop: list[str]) -> None:
         self.stop = [s for s in stop if s]
@@ -180,13 +175,10 @@ def _begun(text: str, stop: str) -> int:
 
 
 class StopStrings:
-    """
-    Whether a row's answer has reached one of its stop strings, checked on the text as it is decoded
-    (`IncrementalDecoder` and `StopTextFilter`, the same rule as the stream and `cut_at_stop`): one token at a time,
-    in time bounded per token, keeping nothing beyond the row. (transformers'
-    `StopStringCriteria` builds a table per tokenizer and stop strings, of about 4 KB per stop character, and keeps
-    the last 8 for the whole process: distinct stop strings would make the server's memory grow.)
-    """
+    """Whether a row's answer has reached one of its stop strings, checked on the text as it is decoded, by the rule
+    of the stream and `cut_at_stop`, in time bounded per token and keeping nothing beyond the row. (transformers'
+    `StopStringCriteria` builds a table of about 4 KB per stop character for each tokenizer and stop strings, and
+    keeps the last 8 for the whole process: distinct stop strings would make the server's memory grow.)"""
 
     def __init__(self, tokenizer: Any, stop: list[str]) -> None:
         self.decoder = incremental_decoder(tokenizer)

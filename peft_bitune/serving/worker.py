@@ -44,12 +44,9 @@ class _Job:
 # queued without an event loop (`ChatEngine.run`'s callers, tests, benchmarks), and a batch takes every waiting job
 # that may join the head, which neither an `asyncio.Queue` nor an executor's private queue lets the worker see.
 class ModelWorker:
-    """
-    A daemon thread that runs queued jobs: plain callables one at a time, batchable items in batches.
-
-    A job whose future was cancelled before it started (e.g. its asyncio waiter was cancelled) is skipped.
-    `batch_sizes` counts the batches run by their number of items (plain jobs are not counted).
-    """
+    """A daemon thread that runs queued jobs: plain callables one at a time, batchable items in batches. A job whose
+    future was cancelled before it started (e.g. with its asyncio waiter) is skipped. `batch_sizes` counts the batches
+    by their number of items (plain jobs are not counted)."""
 
     def __init__(self, name: str = "bitune-model-worker") -> None:
         self._queue: deque = deque()
