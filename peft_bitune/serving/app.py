@@ -58,9 +58,8 @@ class ChatCompletions:
         self.cancelled_streams = 0  # streams whose client left before the answer was complete
         self._preparing = ThreadPoolExecutor(max_workers=PREPARATION_THREADS, thread_name_prefix="bitune-prepare")
 
-    async def handle_request(
-        self, body: ChatCompletionRequest, request_id: str, api_key: int | None = None
-    ) -> JSONResponse | EventSourceResponse:
+    async def handle_request(self, body: ChatCompletionRequest, request_id: str,
+                             api_key: int | None = None) -> JSONResponse | EventSourceResponse:
         loop = asyncio.get_running_loop()
         request = await loop.run_in_executor(self._preparing, self.chat_request, body, api_key)
         if body.stream:
@@ -69,14 +68,10 @@ class ChatCompletions:
             result = await asyncio.wrap_future(self.engine.submit(request))
         except ValueError as error:  # a check of `generate` (e.g. positions): the request's fault
             raise OpenAIError(400, str(error)) from error
+        message = ChatCompletionMessage(role="assistant", content=result.content)
         completion = ChatCompletion(
-            id=request_id,
-            created=int(time.time()),
-            object="chat.completion",
-            model=self.model_name,
-            choices=[Choice(index=0, finish_reason=result.finish_reason,
-                            message=ChatCompletionMessage(role="assistant", content=result.content))],
-            usage=_usage(result),
+            id=request_id, created=int(time.time()), object="chat.completion", model=self.model_name,
+            choices=[Choice(index=0, finish_reason=result.finish_reason, message=message)], usage=_usage(result),
         )
         return JSONResponse(completion.model_dump(exclude_none=True))
 
@@ -320,10 +315,7 @@ def _error_event(error: OpenAIError) -> bytes:
 
 
 def _usage(result: ChatResult) -> CompletionUsage:
-    completion_tokens = len(result.answer_ids)
-    return CompletionUsage(
-        prompt_tokens=result.prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=result.prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens),
-    )
+    prompt_tokens, completion_tokens = result.prompt_tokens, len(result.answer_ids)
+    return CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                           total_tokens=prompt_tokens + completion_tokens,
+                           prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens))

@@ -120,9 +120,7 @@ class ChatEngine:
         """Whether a prompt of this many tokens and its answer fit in the model's positions."""
         return self.max_positions is None or prompt_tokens + (max_tokens or 1) <= self.max_positions
 
-    def submit(
-        self, request: ChatRequest, streamer: Any = None, cancelled: threading.Event | None = None
-    ) -> Future:
+    def submit(self, request: ChatRequest, streamer: Any = None, cancelled: threading.Event | None = None) -> Future:
         """Queue a request on the worker (answered in its next batch, with the waiting requests that `can_join` it);
         returns the future of its `ChatResult` (None if its client left first). `streamer` receives the answer's
         tokens as they come. Once `cancelled` is set (the client left), the request's row ends at the next token,

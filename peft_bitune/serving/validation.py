@@ -45,9 +45,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 class OpenAIError(Exception):
     """An error answered as OpenAI does: `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
 
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
-    ) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = "invalid_request_error" if status < 500 else "server_error"
