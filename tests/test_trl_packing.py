@@ -103,3 +103,16 @@ def test_trls_own_sft_trainer_trains_a_bitune_adapter_on_packed_rows(tmp_path, t
     assert bool(torch.isfinite(step_losses(trainer)).all())
     after = helpers.trainable_state(trainer.model)
     assert any(not torch.equal(before[name], after[name]) for name in before)
+
+
+def test_a_split_piece_that_begins_inside_an_answer_is_refused_before_training(tmp_path, trl_model_dir):
+    """TRL's "bfd_split" cuts an example longer than `max_length` into pieces; one that begins inside the answer has
+    no instruction, and the trainer names it (packed row and example) before any step."""
+    rows = helpers.prompt_completion_rows(4) + [{"prompt": "count to 9 ?", "completion": " 1 2 3 4 5 6 7 8 9"}]
+    with pytest.raises(ValueError, match=r"Packed examples \(row:example\) \[\d+:\d+\] of the prepared "
+                                         r"`train_dataset` have no instruction.*bfd_split"):
+        helpers.make_trainer(trl_model_dir, tmp_path, rows=rows, packing=True, packing_strategy="bfd_split",
+                             max_length=12)
+    # The same rows with "bfd", which truncates the long example instead, are accepted.
+    trainer = helpers.make_trainer(trl_model_dir, tmp_path, rows=rows, packing=True, max_length=12)
+    assert "seq_lengths" in trainer.train_dataset.column_names

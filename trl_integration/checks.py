@@ -235,36 +235,50 @@ def check_rows_kept(
 
 
 def check_prepared_labels(dataset: Any, name: str) -> None:
-    """After TRL's preparation: every row must start with an unsupervised instruction and supervise something."""
+    """After TRL's preparation: every row must start with an unsupervised instruction and supervise something; in a
+    packed dataset (TRL's `seq_lengths` column), every packed example must (a `"bfd_split"` piece that begins inside
+    an answer has no instruction)."""
     if not isinstance(dataset, Dataset) or "labels" not in dataset.column_names:
         return  # an IterableDataset cannot be scanned up front; the Bitune forward checks every batch
+    packed = "seq_lengths" in dataset.column_names
     no_instruction, no_answer = [], []
     offset = 0
-    for batch in dataset.select_columns(["labels"]).with_format("arrow").iter(batch_size=10_000):
+    columns = ["labels", "seq_lengths"] if packed else ["labels"]
+    for batch in dataset.select_columns(columns).with_format("arrow").iter(batch_size=10_000):
         labels = batch.column("labels").combine_chunks()
         lengths = pc.list_value_length(labels).fill_null(0).to_numpy(zero_copy_only=False)
-        values = pc.list_flatten(labels).to_numpy(zero_copy_only=False)
-        rows = pc.list_parent_indices(labels).to_numpy(zero_copy_only=False)
-        supervised = values != IGNORE_INDEX
+        supervised = pc.list_flatten(labels).to_numpy(zero_copy_only=False) != IGNORE_INDEX
+        names = [str(row + offset) for row in range(len(lengths))]
+        if packed:  # one unit per packed example, named "row:example"
+            pieces = batch.column("seq_lengths").combine_chunks()
+            rows = pc.list_parent_indices(pieces).to_numpy(zero_copy_only=False)
+            lengths = pc.list_flatten(pieces).to_numpy(zero_copy_only=False)
+            number = np.arange(len(rows)) - np.searchsorted(rows, rows)
+            names = [f"{row + offset}:{index}" for row, index in zip(rows, number)]
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         non_empty = lengths > 0
         first_supervised = np.zeros(len(lengths), dtype=bool)
         first_supervised[non_empty] = supervised[starts[non_empty]]
-        counts = np.bincount(rows[supervised], minlength=len(lengths)) if len(values) else np.zeros(len(lengths))
-        no_instruction += (np.flatnonzero(first_supervised) + offset).tolist()
-        no_answer += (np.flatnonzero(counts == 0) + offset).tolist()
-        offset += len(lengths)
+        unit = np.repeat(np.arange(len(lengths)), lengths)
+        counts = np.bincount(unit[supervised], minlength=len(lengths)) if len(unit) else np.zeros(len(lengths))
+        no_instruction += [names[index] for index in np.flatnonzero(first_supervised)]
+        no_answer += [names[index] for index in np.flatnonzero(counts == 0)]
+        offset += batch.num_rows
+    units = "Packed examples (row:example)" if packed else "Rows"
     if no_instruction:
         raise ValueError(
-            f"Rows {format_rows(no_instruction)} of the prepared `{name}` have no instruction: their first token is "
-            "already supervised. Bitune reads an instruction before the answer; make sure each prompt is non-empty "
+            f"{units} {format_rows(no_instruction)} of the prepared `{name}` have no instruction: their first token "
+            "is already supervised. Bitune reads an instruction before the answer; make sure each prompt is non-empty "
             "(a BOS token or a template counts) and that truncation keeps the start of each row "
-            "(`truncation_mode='keep_start'`)."
+            "(`truncation_mode='keep_start'`)" + ("; with `packing_strategy=\"bfd_split\"`, a piece of an example "
+            "longer than `max_length` that begins inside the answer has none: raise `max_length`, or use \"bfd\", "
+            "which truncates instead." if packed else ".")
         )
     if no_answer:
         raise ValueError(
-            f"Rows {format_rows(no_answer)} of the prepared `{name}` have no supervised token (all labels are -100), "
-            "so there is no answer to train on. Remove them, or raise `max_length` if truncation cut the answers off."
+            f"{units} {format_rows(no_answer)} of the prepared `{name}` have no supervised token (all labels are "
+            "-100), so there is no answer to train on. Remove them, or raise `max_length` if truncation cut the "
+            "answers off."
         )
 
 
