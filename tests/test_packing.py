@@ -85,7 +85,7 @@ def test_packed_batch_equals_the_padded_batch_on_every_architecture(load_base, a
 @pytest.mark.parametrize(
     ("arch", "attn_implementation"), [("llama", "sdpa"), ("gemma3", "eager"), ("mistral", "sdpa")]
 )
-def test_packed_multi_turn_examples_keep_their_segments_in_their_own(load_base, arch, attn_implementation, mode):
+def test_packed_multi_turn_examples_keep_their_segments_to_themselves(load_base, arch, attn_implementation, mode):
     model = make_bitune(load_base(arch, attn_implementation), multi_turn=mode)
     model.train()
     assert_packed_equals_padded(model)
