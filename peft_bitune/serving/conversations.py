@@ -16,8 +16,6 @@ compute, and computes only the rest:
 So reuse is invisible in the answers: a request gets the same answer whether its conversation came from the cache, a
 full prefill, a restarted server or a retry. Conversations are kept apart by a partition (the API key and the client's
 `user` and `prompt_cache_key`): a request never reuses, nor learns of, another partition's conversations.
-
-Kept caches are bounded by a memory budget in bytes; the least recently used are dropped first.
 """
 
 from __future__ import annotations

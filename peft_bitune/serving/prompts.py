@@ -15,6 +15,7 @@ happens to keep, so that the same request always gets the same answer:
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -53,10 +54,7 @@ class Prompt:
 
     def segments(self) -> Iterator[tuple[int, int, bool]]:
         """(start, end, is_answer) of every segment, in order."""
-        start = 0
-        for number, end in enumerate(self.segment_ends):
-            yield start, end, number % 2 == 1
-            start = end
+        return zip((0, *self.segment_ends[:-1]), self.segment_ends, itertools.cycle((False, True)))
 
     def followed_by_answer(self, answer_ids: list[int]) -> Prompt:
         """This conversation with an answer after it: a new answer segment (or the last one continued, where the
@@ -113,9 +111,8 @@ class PromptBuilder:
         return _from_answer_mask(list(encoded["input_ids"]), [bool(m) for m in encoded["assistant_masks"]])
 
     def check(self) -> None:
-        """Compile and render the template once, on a plain three-message conversation, and lay it out: raises
-        `TemplateError` or `PromptLayoutError` (a server refuses to start rather than answer every request with an
-        error)."""
+        """Lay out a plain three-message conversation once: raises `TemplateError` or `PromptLayoutError` (see
+        `checked_prompt_builder`)."""
         prompt = self.build(PROBE_CONVERSATION)
         if self.multi_turn == "alternating" and len(prompt.segment_ends) != 3:
             raise PromptLayoutError(
