@@ -46,10 +46,9 @@ _OPTIONS_BITUNE_CANNOT_RUN = {
     "`model.generate`, which does: leave `use_vllm=False`",
     "use_transformers_continuous_batching": "transformers' continuous batching fills its own paged cache, without "
     "Bitune's two prompt passes and mixing. Generation goes through `model.generate`, which has them: leave it False",
-    "padding_free": "padding-free batches pack several rows into one, and the Bitune forward reads each row's "
-    "instruction from a padded row of its own. Train on padded batches",
-    "packing": "packed batches put several rows into one, and the Bitune forward reads each row's instruction from a "
-    "padded row of its own. Train on padded batches",
+    "padding_free": "TRL's DPOTrainer turns it off (\"temporarily unavailable after a refactor\") and pads instead, "
+    "so it would be set but unused. Leave it False (the Bitune forward itself reads padding-free rows, as "
+    "BituneSFTTrainer's packing does)",
     "use_liger_kernel": "Liger's kernels replace the model's forward and loss, which the Bitune forward runs in three "
     "passes of its own. Leave it False (the fused LM head already keeps the logits out of memory)",
     "sync_ref_model": "the reference is a frozen copy of the policy's adapter; TRL keeps no separate reference model "
