@@ -10,6 +10,7 @@ from peft_bitune import compat
 from peft_bitune.tuner import packing
 from precision import float32_sums
 from reference import make_bitune, trainable_grads
+from test_forward import multi_head_base
 from tiny_models import ATTENTION_CASES, VOCAB
 
 # Each example: (instruction length, answer length) per turn. Single- and multi-turn examples, one-token
@@ -92,13 +93,18 @@ def test_packed_multi_turn_examples_keep_their_segments_to_themselves(load_base,
 
 
 @pytest.mark.parametrize("mode", ["alternating", "history"])
-@pytest.mark.parametrize(("arch", "attn_implementation"), [("llama", "sdpa"), ("gemma3", "eager")])
+@pytest.mark.parametrize(
+    ("arch", "attn_implementation"), [("llama", "sdpa"), ("gemma3", "eager"), ("multi-head llama", "eager")]
+)
 def test_packed_batch_under_checkpointing_equals_the_plain_padded_batch(load_base, arch, attn_implementation, mode):
+    """The checkpointed step recomputes the prompt passes layer by layer in the answer pass, with the packed masks."""
     examples = make_examples()
-    plain = make_bitune(load_base(arch, attn_implementation), multi_turn=mode)
+    base = (lambda: multi_head_base("llama")) if arch == "multi-head llama" else (
+        lambda: load_base(arch, attn_implementation))
+    plain = make_bitune(base(), multi_turn=mode)
     plain.train()
     want, want_grads = step(plain, padded(examples))
-    model = make_bitune(load_base(arch, attn_implementation), multi_turn=mode)
+    model = make_bitune(base(), multi_turn=mode)
     compat.enable_checkpointing(model.base_model.model, use_reentrant=False)
     model.train()
     got, got_grads = step(model, packed(examples))
