@@ -355,11 +355,9 @@ def _load_dataset(script_args: ScriptArguments) -> Any:
     name = script_args.dataset_name
     empty = _empty_data_files(name)
     if empty:
-        raise ValueError(
-            f"`--dataset_name {name}`: the data file {empty[0]} is empty"
-            + (f" (and {len(empty) - 1} more)" if len(empty) > 1 else "")
-            + ". Put the training rows in it (one JSON object per line for .jsonl), or remove it."
-        )
+        more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+        raise ValueError(f"`--dataset_name {name}`: the data file {empty[0]} is empty{more}. Put the training rows in "
+                         "it (one JSON object per line for .jsonl), or remove it.")
     try:
         return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
     except StopIteration:
