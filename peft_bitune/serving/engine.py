@@ -215,7 +215,8 @@ class ChatEngine:
                 deliver(row, results[row])
 
         stops = RowStops(width, max_new_tokens, _eos_ids(generation_config),
-                         [self._stop_criteria(read.row.request.stop) for read in reads],
+                         [StopStrings(self.tokenizer, read.row.request.stop) if read.row.request.stop else None
+                          for read in reads],
                          [read.row.cancelled for read in reads], row_ended if len(reads) > 1 else None)
         streams = [read.row.streamer for read in reads]
         seed = reads[0].row.request.seed
@@ -253,9 +254,6 @@ class ChatEngine:
         finished = hit_stop or ended_by_eos or generated < stops.max_new_tokens[row]
         return ChatResult(content, answer_ids, "stop" if finished else "length", len(prompt), read.cached_tokens)
 
-    def _stop_criteria(self, stop: list[str]) -> StopStrings | None:
-        return StopStrings(self.tokenizer, stop) if stop else None
-
     def read(self, prompt: Prompt, cache: BituneCache | None = None, cached: int = 0) -> BituneCache:
         """The cache of `prompt` minus its last token, ready for `generate`: each instruction segment but its last
         token read twice over the cache so far and mixed (`prefill(cache=...)`), the tokens between (the instruction's
@@ -291,10 +289,8 @@ class ChatEngine:
 def _sampling_settings(request: ChatRequest) -> dict:
     """The request's generation settings but its answer length and stop strings, which each row of a batch has of its
     own: rows of one batch share the rest (one `generate`)."""
-    settings = request.generation_config.to_dict()
-    for own in ("max_new_tokens", "stop_strings"):
-        settings.pop(own, None)
-    return settings
+    own = ("max_new_tokens", "stop_strings")
+    return {key: value for key, value in request.generation_config.to_dict().items() if key not in own}
 
 
 def _eos_ids(generation_config: Any) -> set[int]:
