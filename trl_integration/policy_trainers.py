@@ -148,16 +148,13 @@ def _check_no_empty_segments(dataset: Any, name: str) -> None:
     batch by batch instead, by the Bitune forward.)"""
     if not isinstance(dataset, Dataset):
         return
-    for column in _SEGMENT_COLUMNS:
-        if column in dataset.column_names:
-            empty = [index for index, ids in enumerate(dataset[column]) if len(ids) == 0]
-            if empty:
-                segment = column.removesuffix("_ids")
-                raise ValueError(f"Rows {format_rows(empty)} of {name} have an empty {segment} once tokenised (rows "
-                                 "counted after TRL's preparation, which drops rows whose prompt alone fills "
-                                 "`max_length`). Bitune reads an instruction before each answer and scores at least "
-                                 "one answer token: give every row a non-empty prompt and completion (or a tokenizer "
-                                 "that adds a BOS token).")
+    for column in [column for column in _SEGMENT_COLUMNS if column in dataset.column_names]:
+        if empty := [index for index, ids in enumerate(dataset[column]) if len(ids) == 0]:
+            raise ValueError(f"Rows {format_rows(empty)} of {name} have an empty {column.removesuffix('_ids')} once "
+                             "tokenised (rows counted after TRL's preparation, which drops rows whose prompt alone "
+                             "fills `max_length`). Bitune reads an instruction before each answer and scores at least "
+                             "one answer token: give every row a non-empty prompt and completion (or a tokenizer that "
+                             "adds a BOS token).")
 
 
 def _refuse_a_bitune_ref_model(ref_model: Any, trainer: str) -> None:
