@@ -271,11 +271,8 @@ def _model_depth(model_args: ModelConfig, training_args: BituneSFTConfig) -> int
     if not model_args.model_name_or_path:
         return None
     try:
-        config = AutoConfig.from_pretrained(
-            model_args.model_name_or_path,
-            revision=model_args.model_revision,
-            trust_remote_code=training_args.trust_remote_code,
-        )
+        config = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
+                                            trust_remote_code=training_args.trust_remote_code)
     except (OSError, ValueError, KeyError):
         return None
     return getattr(config.get_text_config(), "num_hidden_layers", None)

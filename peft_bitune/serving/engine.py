@@ -216,14 +216,10 @@ class ChatEngine:
         seed = reads[0].row.request.seed
         if seed is not None:  # only ever alone in its batch (`can_join`)
             torch.manual_seed(seed)
-        output = self.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            cache=cache,
-            generation_config=generation_config,
-            streamer=RowStreams(streams, lambda row: stops.lengths[row] is not None) if any(streams) else None,
-            stopping_criteria=StoppingCriteriaList([stops]),
-        )
+        streamer = RowStreams(streams, lambda row: stops.lengths[row] is not None) if any(streams) else None
+        output = self.model.generate(input_ids=ids, attention_mask=mask, cache=cache, streamer=streamer,
+                                     generation_config=generation_config,
+                                     stopping_criteria=StoppingCriteriaList([stops]))
         output_cache = compat.output_cache(output)
         return [results[row] if row in results else self._result(read, row, output.sequences, output_cache, stops,
                                                                    len(reads) == 1)
