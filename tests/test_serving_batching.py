@@ -179,6 +179,55 @@ def test_streams_in_one_batch_stay_apart_and_a_client_that_leaves_frees_its_row(
         assert texts[index] == expected.content
 
 
+def test_a_request_answered_on_the_callers_thread_waits_for_the_batch_the_worker_is_still_finishing(
+    serving_adapter, serving_tokenizer, serving_template, full_prefill
+):
+    """A batch hands each row's result over as soon as the row ends, from inside `generate`, whose exit then routes
+    the adapter's layers back to the weight set they had: `run` on another thread must not use the model before the
+    batch has ended, or its prompt passes run partly with the wrong weight set. Here the worker is held right after
+    it handed over the batch's last result, until the caller has had time to reach the model (it must not)."""
+    engine = ChatEngine(load_model(serving_adapter), serving_tokenizer, serving_template, 0)
+    requests = ChatCompletions(engine, NAME)
+    bodies = [body([user(story)], max_tokens=3) for story in STORIES[:2]]
+    alone = requests.chat_request(body([user(STORIES[2])], max_tokens=4))
+    answered: list = []
+    caller = threading.Thread(target=lambda: answered.append(engine.run(alone)))
+    held, caller_in_model, entered_while_held = threading.Event(), threading.Event(), []
+
+    def note_caller(module, args) -> None:
+        if threading.current_thread() is caller:
+            entered_while_held.append(held.is_set())
+            caller_in_model.set()
+
+    def hold_the_worker(_) -> None:  # a done-callback: runs on the worker, as it hands a row's result over
+        if all(future.done() for future in futures):  # the batch's last result: the worker is still in `generate`
+            held.set()
+            caller.start()
+            caller_in_model.wait(3)  # time to reach the model, had it not to wait for this batch
+            held.clear()
+
+    hook = engine.model.get_input_embeddings().register_forward_pre_hook(note_caller)
+    try:
+        release = threading.Event()
+        busy = engine.worker.submit(release.wait, REQUEST_TIMEOUT_S)
+        futures = [engine.submit(requests.chat_request(b)) for b in bodies]
+        for future in futures:
+            future.add_done_callback(hold_the_worker)
+        release.set()
+        busy.result(REQUEST_TIMEOUT_S)
+        results = [future.result(REQUEST_TIMEOUT_S) for future in futures]
+        wait_until(lambda: caller.ident is not None)  # started by the worker, after it set the results
+        caller.join(REQUEST_TIMEOUT_S)
+    finally:
+        hook.remove()
+        engine.close()
+    assert engine.worker.batch_sizes == {2: 1}
+    assert entered_while_held and not any(entered_while_held), "the caller ran the model inside the worker's batch"
+    assert answered[0].answer_ids == full_prefill.engine.run(alone).answer_ids
+    for request, result in zip(bodies, results):
+        assert result.answer_ids == full_prefill.result(request["messages"], 3).answer_ids
+
+
 def wait_until(condition, timeout: float = REQUEST_TIMEOUT_S) -> None:
     done = threading.Event()
     for _ in range(int(timeout / 0.02)):

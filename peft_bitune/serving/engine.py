@@ -8,14 +8,16 @@ segment (each instruction twice, mixed, over the cache so far; answers causally)
 depends on what the server happened to keep: a full prefill is the same computation with nothing reused.
 
 All model work runs on one worker thread (`worker.py`), which answers the requests that arrived while it was busy in
-one batch (`batching.py`: each prompt read alone, only decoding batched). Batches are static: continuous batching
-would need a decoding loop of our own instead of transformers' `generate`. HTTP is `app.py`'s.
+one batch (`batching.py`: each prompt read alone, only decoding batched), or on a `run` caller's thread, never both
+at once (`_MODEL_LOCKS`). Batches are static: continuous batching would need a decoding loop of our own instead of
+transformers' `generate`. HTTP is `app.py`'s.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -34,6 +36,12 @@ from .prompts import Prompt, checked_prompt_builder
 from .settings import BatchLimits
 from .streaming import RowStreams, StopStrings, answer_text, cut_at_stop
 from .worker import ModelWorker
+
+# One lock per Bitune model, held by each batch from its first read to its end, whichever engine and thread runs it:
+# which weight set the adapter's layers run with, torch's random state and the kept caches are shared, and a batch
+# hands a row's result over from inside `generate` (whose exit routes the layers back), so that a caller may go on
+# to `run` while the worker still finishes that batch.
+_MODEL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -102,6 +110,7 @@ class ChatEngine:
         # be padded together, so those models answer one request at a time.
         self.batchable = not any(BituneCache(config=model.config).is_sliding)
         self.worker = ModelWorker()
+        self._model_lock = _MODEL_LOCKS.setdefault(tuner, threading.RLock())
 
     def fewest_tokens(self, messages: list[dict]) -> int:
         """The fewest tokens `messages` can take once rendered, known without rendering them (so that a conversation
@@ -124,7 +133,8 @@ class ChatEngine:
     def run(
         self, request: ChatRequest, streamer: Any = None, cancelled: threading.Event | None = None
     ) -> ChatResult | None:
-        """Answer one request alone, on the calling thread (the unbatched reference: what `submit` answers too)."""
+        """Answer one request alone, on the calling thread once no batch uses the model (the unbatched reference: what
+        `submit` answers too)."""
         (result,) = self.run_batch([_Row(request, streamer, cancelled, _sampling_settings(request))])
         if isinstance(result, BaseException):
             raise result
@@ -157,23 +167,24 @@ class ChatEngine:
         where there is one), then all decoded in one `generate`. One result per row: a `ChatResult`, None for a row
         whose client left, or the exception of a row that failed (which drops the kept conversation it took: its
         cache may be half extended). `deliver(index, result)` gets a row's result as soon as the row has ended."""
-        results: list[ChatResult | BaseException | None] = [None] * len(rows)
-        ready: list[tuple[int, _Read]] = []
-        for index, row in enumerate(rows):
-            if row.cancelled is not None and row.cancelled.is_set():
-                continue  # the client left while the request was queued: no work at all
-            try:
-                kept, cached_tokens = self.store.take(row.request.partition, row.request.prompt)
-                cache = self.read(row.request.prompt, None if kept is None else kept.cache, cached_tokens)
-            except Exception as error:
-                results[index] = error
-            else:
-                ready.append((index, _Read(row, cache, cached_tokens)))
-        if ready:
-            early = None if deliver is None else (lambda number, result: deliver(ready[number][0], result))
-            for (index, _), result in zip(ready, self._decode([read for _, read in ready], early)):
-                results[index] = result
-        return results
+        with self._model_lock:  # the batch's whole use of the model (see `_MODEL_LOCKS`)
+            results: list[ChatResult | BaseException | None] = [None] * len(rows)
+            ready: list[tuple[int, _Read]] = []
+            for index, row in enumerate(rows):
+                if row.cancelled is not None and row.cancelled.is_set():
+                    continue  # the client left while the request was queued: no work at all
+                try:
+                    kept, cached_tokens = self.store.take(row.request.partition, row.request.prompt)
+                    cache = self.read(row.request.prompt, None if kept is None else kept.cache, cached_tokens)
+                except Exception as error:
+                    results[index] = error
+                else:
+                    ready.append((index, _Read(row, cache, cached_tokens)))
+            if ready:
+                early = None if deliver is None else (lambda number, result: deliver(ready[number][0], result))
+                for (index, _), result in zip(ready, self._decode([read for _, read in ready], early)):
+                    results[index] = result
+            return results
 
     def _decode(
         self, reads: list[_Read], deliver: Callable[[int, Any], None] | None = None
