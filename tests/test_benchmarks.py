@@ -379,3 +379,50 @@ def test_mixed_adapters_times_one_batch_against_the_split_and_writes_its_report(
             assert positive_finite(ratio["ratio"])
             assert ratio["ratio"] == pytest.approx(ratio["numerator_s"] / ratio["denominator_s"])
         assert cell["one_batch_over_split"]["numerator_s"] == cell["one_batch_over_one_adapter"]["numerator_s"]
+
+
+def test_packing_counts_every_arms_tokens_times_its_epochs_and_resumes(tmp_path, capsys):
+    packing = _benchmark_module("packing")
+    out = tmp_path / "packing.json"
+    tokenizer = str(BENCHMARKS.parent / "examples/miniature/base")
+    common = ["--model", "tiny", "--data", "miniature", "--tokenizer", tokenizer, "--rows", "8", "--batch-size", "4",
+              "--json", str(out)]
+    report = packing.main([*common, "--rounds", "1"])
+    assert json.loads(out.read_text()) == report
+    epoch, arms = report["epoch"], report["arms"]
+    prompts, answers = epoch["prompt_lengths"], epoch["answer_lengths"]
+    assert epoch["supervised_tokens"] == sum(answers) and epoch["real_tokens"] == sum(prompts) + sum(answers)
+    # Counted at the first decoder layer; packed arms compute exactly the real tokens of their passes.
+    assert arms["lora_packed"]["decoder_tokens"] == epoch["real_tokens"]
+    assert arms["bitune_packed"]["decoder_tokens"] == 2 * sum(p - 1 for p in prompts) + sum(a + 1 for a in answers)
+    batch = epoch["batches"]["bitune_padded"][0]
+    rows = [packing.Example([5] * (prompts[i] + answers[i]), prompts[i]) for i in batch]
+    assert packing.decoder_tokens("bitune_padded", rows) == len(batch) * (
+        2 * max(prompts[i] - 1 for i in batch) + max(answers[i] + 1 for i in batch))
+    for padded in ("bitune_padded", "bitune_grouped"):
+        assert arms["bitune_packed"]["decoder_tokens"] < arms[padded]["decoder_tokens"]
+        assert sorted(sum(epoch["batches"][padded], [])) == list(range(8))  # the same rows, batched otherwise
+    for method in ("bitune", "lora"):
+        for figure in ("decoder_tokens", "linear_flops"):
+            assert arms[f"{method}_packed"][figure] < arms[f"{method}_padded"][figure], (method, figure)
+    for arm in packing.ARMS:
+        entry = arms[arm]
+        assert entry["tokens_per_supervised_token"] == pytest.approx(entry["decoder_tokens"] / sum(answers))
+        assert entry["gpu_flops"] == entry["linear_flops"] + entry["attention_flops_varlen"] > 0
+        assert positive_finite(entry["epoch_s"]) and len(report["batch_seconds"][arm][0]) == 2
+    # Attention pairs by hand: 5 tokens, 3 of them instruction, 2 layers. LoRA: 2 * 15 causal pairs. Bitune: prompt
+    # passes over m = 2 tokens (4 bidirectional + 3 causal pairs) on 1 layer, answer pass of q = 3 over them and
+    # itself (6 + 6) on 2.
+    example = packing.Example([5] * 5, 3)
+    assert packing.attention_pairs("lora", example, 2) == 30 and packing.attention_pairs("bitune", example, 2) == 31
+    for name, ratio in report["time_ratios"].items():
+        assert ratio["ratio"] == pytest.approx(ratio["numerator_s"] / ratio["denominator_s"]), name
+    assert {target["met"] for target in report["targets"].values()} <= {True, False}
+    assert set(report["training_set"]["arms"]) == set(packing.ARMS) and report["load_average_end"]
+    resumed = packing.main([*common, "--rounds", "2", "--resume"])
+    assert resumed["rounds_done"] == 2 and resumed["complete"]
+    assert [rounds[0] for rounds in resumed["batch_seconds"].values()] == [
+        rounds[0] for rounds in report["batch_seconds"].values()]
+    with pytest.raises(SystemExit):
+        packing.main([*common[:-2], "--batch-size", "8", "--json", str(out), "--resume"])
+    assert "was run with other settings" in capsys.readouterr().err
