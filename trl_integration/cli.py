@@ -239,9 +239,8 @@ def _refusal(error: BaseException) -> SystemExit:
 
 
 def _parse_or_refuse(argv: Sequence[str] | None, **kwargs: Any) -> list[Any]:
-    """The parsed configs; a value that a config's own checks refuse while it is made (`--mixing_lr_ratio nan`,
-    `--mixing_warmup_steps` above `--max_steps`, TRL's and transformers' checks) is refused with its message in one
-    line, not a traceback."""
+    """The parsed configs; a value that a config's own checks refuse while it is made (e.g. `--mixing_warmup_steps`
+    above `--max_steps`, TRL's and transformers' checks) is refused with its message in one line, not a traceback."""
     try:
         return list(make_parser().parse_args_and_config(argv, **kwargs))
     except ValueError as error:
@@ -249,9 +248,8 @@ def _parse_or_refuse(argv: Sequence[str] | None, **kwargs: Any) -> list[Any]:
 
 
 def refuse_before_any_work(configs: Sequence[Any]) -> None:
-    """Refuse, with one line and before anything is launched or loaded, flags that cannot work: an unusable number
-    (`refuse_unusable_config_numbers`), and a Bitune adapter that cannot be built, including `--mixed_layers` naming
-    a layer the model does not have (its depth is read from its config.json; no weights are loaded)."""
+    """Refuse, with one line and before anything is launched or loaded, an unusable number and a Bitune adapter that
+    cannot be built, including `--mixed_layers` naming a layer the model does not have (`_model_depth`)."""
     _, training_args, model_args, _, bitune_args = configs
     refuse_unusable_config_numbers(configs)
     try:

@@ -5,9 +5,8 @@ Requests are checked here (`validation.py`) and answered with OpenAI's own respo
 server guards itself (`ServerSettings`, as vLLM's server does and a little more): API keys on every `/v1` call, JSON
 bodies only and of bounded size (so that no web page a user visits can drive it with a plain form post), no CORS
 headers and no `/docs` unless asked for. Rendering and tokenizing run on threads of their own (several, so that one
-request's preparation never holds back another's), and the model on the engine's worker thread (`engine.py`, which
-answers waiting requests in batches), so the event loop stays free for other clients (and `/health`) while a long
-request is prepared or answered.
+request's preparation never holds back another's), and the model on the engine's worker thread, so the event loop
+stays free for other clients (and `/health`) while a long request is prepared or answered.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the chat endpoint's body type, made per server, at runtime.
@@ -77,8 +76,7 @@ class ChatCompletions:
 
     def chat_request(self, body: ChatCompletionRequest | dict, api_key: int | None = None) -> ChatRequest:
         """Lay out a request's conversation (a body given as a dict is checked first); raises `OpenAIError` for
-        anything wrong. The request may reuse the conversations kept for the same API key, `user` and
-        `prompt_cache_key` only."""
+        anything wrong. It may reuse the conversations kept for its API key, `user` and `prompt_cache_key` only."""
         checked = body if isinstance(body, ChatCompletionRequest) else check_request(body, self.model_name)
         max_tokens = checked.answer_tokens
         partition = (api_key, checked.user, checked.prompt_cache_key)

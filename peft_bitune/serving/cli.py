@@ -164,9 +164,8 @@ def load_engine(command: Command) -> Any:
 
 
 def read_adapter_config(adapter: str) -> Any:
-    """The adapter's PEFT config; an adapter that has none, or whose adapter_config.json is not a PEFT config (not
-    JSON, not an object, no `peft_type`, on which PEFT fails with a `TypeError` or `KeyError`), is refused in one line
-    that names the file and what is wrong with it."""
+    """The adapter's PEFT config; an adapter that has none, or whose adapter_config.json is not a PEFT config (on
+    which PEFT fails with a `TypeError` or `KeyError`), is refused in one line that says what is wrong with it."""
     from peft import PeftConfig
 
     import peft_bitune  # noqa: F401  (registers the BITUNE adapter type; without it: KeyError: 'BITUNE')

@@ -2,10 +2,9 @@
 
 One thread, so that no two batches ever share the model, a cache or torch's random state, and so that the event loop
 of the HTTP server never waits for the model. Work is queued in arrival order. A plain job (a callable) runs alone. A
-batchable job (a request) runs together with the batchable jobs queued behind it that its `Batcher` lets join, so
-that requests arriving while the model is busy are answered in one batch next: the job at the head of the queue always
-starts the next batch, so a job that cannot join a batch waits at most one batch per job ahead of it. Results are
-`concurrent.futures.Future`s (the standard library's, awaitable from asyncio through `asyncio.wrap_future`).
+batchable job (a request) runs together with the batchable jobs queued behind it that its `Batcher` lets join: the
+job at the head of the queue always starts the next batch, so a job that cannot join a batch waits at most one batch
+per job ahead of it. Results are `concurrent.futures.Future`s (awaitable from asyncio with `asyncio.wrap_future`).
 """
 
 from __future__ import annotations
