@@ -179,9 +179,8 @@ def _check_adapter_name(model: Any, trainer: str) -> None:
 
 def _refuse_what_bitune_cannot_run(arguments: dict[str, Any]) -> None:
     """Refuse, by name and before any work, the options and arguments a Bitune adapter cannot run."""
-    args = arguments.get("args")
     for option, reason in _OPTIONS_BITUNE_CANNOT_RUN.items():
-        if args is not None and getattr(args, option, None):
+        if getattr(arguments.get("args"), option, None):  # no `args`: TRL's defaults, all off
             raise ValueError(f"`{option}=True` cannot be used with a Bitune adapter: {reason}.")
     for name, reason in _ARGUMENTS_BITUNE_CANNOT_RUN.items():
         if arguments.get(name) is not None:
