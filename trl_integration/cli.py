@@ -173,8 +173,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    *configs, config_remaining, cli_remaining = _parse_or_refuse(argv, return_remaining_strings=True,
-                                                                 separate_remaining_strings=True)
+    *configs, config_remaining, cli_remaining = _parse_or_refuse(
+        argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
     refuse_before_any_work(configs)
     launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
     training_script_args = compat.without_launcher_arguments(argv, cli_remaining)
@@ -286,8 +287,13 @@ def refuse_unusable_config_numbers(configs: Sequence[Any]) -> None:
                 raise SystemExit(f"bitune-sft: `--{config_field.name}` {problem}.")
 
 
-def run(script_args: ScriptArguments, training_args: BituneSFTConfig, model_args: ModelConfig,
-        dataset_args: DatasetMixtureConfig, bitune_args: BituneArguments) -> None:
+def run(
+    script_args: ScriptArguments,
+    training_args: BituneSFTConfig,
+    model_args: ModelConfig,
+    dataset_args: DatasetMixtureConfig,
+    bitune_args: BituneArguments,
+) -> None:
     """`trl sft`'s script (`trl/scripts/sft.py`'s `main`) with the Bitune trainer, adapter and data checks."""
     # Not TRL's `main` itself: it names `SFTTrainer` and `get_peft_config` in its body, with no parameter for either.
     import transformers

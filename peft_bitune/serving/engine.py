@@ -92,8 +92,14 @@ class ChatEngine:
     own; checked here, `prompts.checked_prompt_builder`), the kept conversations (`cache_budget_bytes`; 0: every turn
     a full prefill), and the one worker thread, which answers waiting requests together within `limits`."""
 
-    def __init__(self, model: Any, tokenizer: Any, chat_template: str | None, cache_budget_bytes: int,
-                 limits: BatchLimits | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        chat_template: str | None,
+        cache_budget_bytes: int,
+        limits: BatchLimits | None = None,
+    ) -> None:
         tuner = find_bitune_tuner(model)
         if tuner is None:
             raise ValueError(f"`model` has no Bitune adapter ({type(model).__name__}); load one with PeftModel.")
