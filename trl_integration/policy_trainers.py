@@ -150,11 +150,12 @@ def _check_no_empty_segments(dataset: Any, name: str) -> None:
         return
     for column in [column for column in _SEGMENT_COLUMNS if column in dataset.column_names]:
         if empty := [index for index, ids in enumerate(dataset[column]) if len(ids) == 0]:
-            raise ValueError(f"Rows {format_rows(empty)} of {name} have an empty {column.removesuffix('_ids')} once "
-                             "tokenised (rows counted after TRL's preparation, which drops rows whose prompt alone "
-                             "fills `max_length`). Bitune reads an instruction before each answer and scores at least "
-                             "one answer token: give every row a non-empty prompt and completion (or a tokenizer that "
-                             "adds a BOS token).")
+            raise ValueError(
+                f"Rows {format_rows(empty)} of {name} have an empty {column.removesuffix('_ids')} once tokenised "
+                "(rows counted after TRL's preparation, which drops rows whose prompt alone fills `max_length`). "
+                "Bitune reads an instruction before each answer and scores at least one answer token: give every row "
+                "a non-empty prompt and completion (or a tokenizer that adds a BOS token)."
+            )
 
 
 def _refuse_a_bitune_ref_model(ref_model: Any, trainer: str) -> None:
@@ -171,10 +172,12 @@ def _check_adapter_name(model: Any, trainer: str) -> None:
     """Refuse a Bitune `PeftModel` without an adapter named "default": TRL's trainers add their reference adapter from
     `peft_config["default"]`, and fail on a raw `KeyError` without one."""
     if isinstance(model, PeftModel) and "default" not in model.peft_config:
-        raise ValueError(f"The model's Bitune adapter is named `{model.active_adapter}` (adapters: "
-                         f"{sorted(model.peft_config)}), but the TRL trainer under {trainer} adds its reference "
-                         "adapter from the one named `default`, which this model lacks. Load the adapter under that "
-                         "name: `PeftModel.from_pretrained(base, path, is_trainable=True)` without `adapter_name`.")
+        raise ValueError(
+            f"The model's Bitune adapter is named `{model.active_adapter}` (adapters: {sorted(model.peft_config)}), "
+            f"but the TRL trainer under {trainer} adds its reference adapter from the one named `default`, which "
+            "this model lacks. Load the adapter under that name: `PeftModel.from_pretrained(base, path, "
+            "is_trainable=True)` without `adapter_name`."
+        )
 
 
 def _refuse_what_bitune_cannot_run(arguments: dict[str, Any]) -> None:

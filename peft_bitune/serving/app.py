@@ -99,10 +99,13 @@ class ChatCompletions:
         return ChatRequest(prompt, generation_config, max_tokens, checked.stop_strings, checked.seed, partition)
 
     def _too_long(self, taken: str, max_tokens: int | None) -> OpenAIError:
-        return OpenAIError(400, f"This model's maximum context length is {self.engine.max_positions} tokens; the "
-                           f"messages take {taken} and {max_tokens or 1} more are asked for. Shorten the conversation "
-                           "or lower `max_tokens` (nothing is truncated silently).", "messages",
-                           "context_length_exceeded")
+        return OpenAIError(
+            400,
+            f"This model's maximum context length is {self.engine.max_positions} tokens; the messages take {taken} "
+            f"and {max_tokens or 1} more are asked for. Shorten the conversation or lower `max_tokens` (nothing is "
+            "truncated silently).",
+            "messages", "context_length_exceeded",
+        )
 
     def _generation_config(self, temperature: float | None, top_p: float | None) -> Any:
         """The model's generation config with the request's settings: greedy at temperature 0 (and below
