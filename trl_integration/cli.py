@@ -86,9 +86,10 @@ class BituneModelConfig(ModelConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.use_peft:
-            raise ValueError("`bitune-sft` always trains a Bitune adapter, which is a PEFT adapter: `--use_peft` "
-                             "cannot be turned off. Remove `--use_peft false` / `--no_use_peft`; to fine-tune without "
-                             "PEFT, use `trl sft`.")
+            raise ValueError(
+                "`bitune-sft` always trains a Bitune adapter, which is a PEFT adapter: `--use_peft` cannot be turned "
+                "off. Remove `--use_peft false` / `--no_use_peft`; to fine-tune without PEFT, use `trl sft`."
+            )
 
 
 USAGE = "bitune-sft --model_name_or_path MODEL --dataset_name DATA --output_dir DIR [OPTIONS] [LAUNCHER OPTIONS]"
@@ -182,8 +183,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     launch_parser = launch_command_parser()
     _, unknown = launch_parser.parse_known_args([*launch_args, "--module", TRAINING_MODULE])
     if unknown:
-        raise ValueError(f"Unknown arguments {unknown}: neither a training argument of `bitune-sft` (see `bitune-sft "
-                         "--help`) nor an `accelerate launch` argument (see `accelerate launch --help`).")
+        raise ValueError(
+            f"Unknown arguments {unknown}: neither a training argument of `bitune-sft` (see `bitune-sft --help`) nor "
+            "an `accelerate launch` argument (see `accelerate launch --help`)."
+        )
     launch_args = launch_parser.parse_args([*launch_args, "--module", TRAINING_MODULE, *training_script_args])
     # A single process (accelerate's simple launcher) records its error in the file named here; several (torchrun) in
     # files of torch's own, which their `ChildFailedError` reads.
@@ -319,8 +322,9 @@ def run(
     elif script_args.dataset_name:
         dataset = _load_dataset(script_args)
     else:
-        raise ValueError("Pass a dataset: `--dataset_name` (a Hub id or a local path) or `datasets` in a `--config` "
-                         "file.")
+        raise ValueError(
+            "Pass a dataset: `--dataset_name` (a Hub id or a local path) or `datasets` in a `--config` file."
+        )
     evaluating = training_args.eval_strategy != "no"
     _check_splits(dataset, script_args, evaluating)
 
@@ -356,8 +360,10 @@ def _load_dataset(script_args: ScriptArguments) -> Any:
     try:
         return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
     except StopIteration:
-        raise ValueError(f"`--dataset_name {name}`: a data file of this dataset is empty, so `datasets` cannot read "
-                         "its columns. Give every data file its rows, or remove the empty ones.") from None
+        raise ValueError(
+            f"`--dataset_name {name}`: a data file of this dataset is empty, so `datasets` cannot read its columns. "
+            "Give every data file its rows, or remove the empty ones."
+        ) from None
 
 
 def _empty_data_files(path: str) -> list[str]:
@@ -384,12 +390,16 @@ def _check_splits(dataset: Any, script_args: ScriptArguments, evaluating: bool) 
     where = f"`--dataset_name {script_args.dataset_name}`" if script_args.dataset_name else "The dataset"
     train_split, test_split = script_args.dataset_train_split, script_args.dataset_test_split
     if train_split not in dataset:
-        raise ValueError(f"`--dataset_train_split {train_split}`: {where} has no split '{train_split}'; its splits "
-                         f"are {splits}. Pass one of them with `--dataset_train_split`.")
+        raise ValueError(
+            f"`--dataset_train_split {train_split}`: {where} has no split '{train_split}'; its splits are {splits}. "
+            "Pass one of them with `--dataset_train_split`."
+        )
     if evaluating and test_split not in dataset:
-        raise ValueError(f"Evaluation is on (`--eval_strategy` is not 'no') and uses `--dataset_test_split "
-                         f"{test_split}`, but {where} has no split '{test_split}'; its splits are {splits}. Pass one "
-                         "of them with `--dataset_test_split`, or turn evaluation off with `--eval_strategy no`.")
+        raise ValueError(
+            f"Evaluation is on (`--eval_strategy` is not 'no') and uses `--dataset_test_split {test_split}`, but "
+            f"{where} has no split '{test_split}'; its splits are {splits}. Pass one of them with "
+            "`--dataset_test_split`, or turn evaluation off with `--eval_strategy no`."
+        )
 
 
 if __name__ == "__main__":

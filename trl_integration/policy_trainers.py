@@ -133,9 +133,10 @@ def copy_policy_to_reference(model: PeftModel) -> None:
                        or value.dtype != reference_state[key].dtype or not torch.equal(value, reference_state[key]))
     meta = sorted(name for name, parameter in model.named_parameters() if parameter.is_meta)
     if differing or policy_state.keys() != reference_state.keys() or meta:
-        raise RuntimeError(f"The reference adapter is not an exact copy of `{policy}` (first differing weights: "
-                           f"{differing[:3]}; left on the meta device: {meta[:3]}); please report this with the PEFT "
-                           "method of the adapter.")
+        raise RuntimeError(
+            f"The reference adapter is not an exact copy of `{policy}` (first differing weights: {differing[:3]}; "
+            f"left on the meta device: {meta[:3]}); please report this with the PEFT method of the adapter."
+        )
 
 
 # The token columns of TRL's prepared preference rows (DPO: prompt, chosen, rejected; KTO: prompt, completion).
@@ -162,10 +163,11 @@ def _refuse_a_bitune_ref_model(ref_model: Any, trainer: str) -> None:
     """Refuse a Bitune `PeftModel` as `ref_model`: TRL gives a reference model its fused LM head, whose forward calls
     the model without the labels that hold each row's instruction/answer boundary (a Bitune forward needs them)."""
     if isinstance(ref_model, PeftModel) and find_bitune_tuner(ref_model) is not None:
-        raise ValueError(f"`ref_model` cannot be a Bitune adapter: TRL wraps a reference model in its fused LM head, "
-                         f"which calls it without the labels a Bitune forward reads each row's instruction from. "
-                         f"Leave `ref_model=None`: {trainer} then makes the reference an exact, frozen copy of the "
-                         "policy's adapter as training starts.")
+        raise ValueError(
+            f"`ref_model` cannot be a Bitune adapter: TRL wraps a reference model in its fused LM head, which calls "
+            f"it without the labels a Bitune forward reads each row's instruction from. Leave `ref_model=None`: "
+            f"{trainer} then makes the reference an exact, frozen copy of the policy's adapter as training starts."
+        )
 
 
 def _check_adapter_name(model: Any, trainer: str) -> None:

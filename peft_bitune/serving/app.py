@@ -221,8 +221,10 @@ def build_app(engine: ChatEngine, model_name: str, settings: ServerSettings | No
         given = credentials.credentials.encode("utf-8") if credentials is not None else b""
         matches = [secrets.compare_digest(key.encode("utf-8"), given) for key in settings.api_keys]  # all compared
         if not any(matches):
-            raise OpenAIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with a key this "
-                              "server was started with (--api-key or BITUNE_SERVE_API_KEY).", code="invalid_api_key")
+            raise OpenAIError(
+                401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with a key this server was "
+                "started with (--api-key or BITUNE_SERVE_API_KEY).", code="invalid_api_key",
+            )
         return matches.index(True)
 
     v1 = APIRouter(prefix="/v1")
@@ -285,10 +287,14 @@ async def _read_json_body(request: Request, max_bytes: int) -> bytes:
     arrives. Pydantic cannot express either: FastAPI would read the whole body first."""
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != "application/json":
-        raise OpenAIError(415, "Request bodies must be JSON, sent with `Content-Type: application/json` (got "
-                          f"{media_type or 'none'!r}).")
-    too_large = OpenAIError(413, f"The request body is larger than this server's limit of {max_bytes} bytes "
-                            "(--max-request-bytes).", code="request_too_large")
+        raise OpenAIError(
+            415, f"Request bodies must be JSON, sent with `Content-Type: application/json` (got "
+            f"{media_type or 'none'!r}).",
+        )
+    too_large = OpenAIError(
+        413, f"The request body is larger than this server's limit of {max_bytes} bytes (--max-request-bytes).",
+        code="request_too_large",
+    )
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > max_bytes:
         raise too_large

@@ -42,8 +42,9 @@ class KeptConversation:
 
     def __post_init__(self) -> None:
         if self.cache.conversation_length != len(self.prompt):
-            raise ValueError(f"The cache stands for {self.cache.conversation_length} tokens but the prompt has "
-                             f"{len(self.prompt)}.")
+            raise ValueError(
+                f"The cache stands for {self.cache.conversation_length} tokens but the prompt has {len(self.prompt)}."
+            )
         self.nbytes = cache_nbytes(self.cache)
 
     def reusable_length(self, prompt: Prompt) -> int:

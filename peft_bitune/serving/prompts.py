@@ -115,8 +115,10 @@ class PromptBuilder:
         `checked_prompt_builder`)."""
         prompt = self.build(PROBE_CONVERSATION)
         if self.multi_turn == "alternating" and len(prompt.segment_ends) != 3:
-            raise PromptLayoutError(f"The chat template's rendering of {PROBE_CONVERSATION} has "
-                                    f"{len(prompt.segment_ends) // 2} answers where the assistant wrote one.")
+            raise PromptLayoutError(
+                f"The chat template's rendering of {PROBE_CONVERSATION} has {len(prompt.segment_ends) // 2} answers "
+                "where the assistant wrote one."
+            )
 
 
 def checked_prompt_builder(
@@ -171,8 +173,10 @@ def _from_answer_mask(token_ids: list[int], is_answer: list[bool]) -> Prompt:
     """Segments from a per-token answer mask. A conversation whose first token is an answer token is refused, as
     training refuses such a row: Bitune reads an instruction before every answer."""
     if is_answer and is_answer[0]:
-        raise PromptLayoutError("The conversation opens with an assistant answer that the chat template writes before "
-                                "any other token, so there is no instruction before it to read twice (training "
-                                "refuses such a row). Start the conversation with a system or user message.")
+        raise PromptLayoutError(
+            "The conversation opens with an assistant answer that the chat template writes before any other token, "
+            "so there is no instruction before it to read twice (training refuses such a row). Start the "
+            "conversation with a system or user message."
+        )
     ends = [i for i in range(1, len(is_answer)) if is_answer[i] != is_answer[i - 1]]
     return Prompt(token_ids, (*ends, len(token_ids)))

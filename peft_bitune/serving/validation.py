@@ -66,9 +66,10 @@ def _valid_unicode(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise PydanticCustomError("lone_surrogate", "it is not valid Unicode text: it holds a lone surrogate (e.g. "
-                                  "the escape \\ud800 without its pair); send text as UTF-8, with surrogate escapes "
-                                  "only in pairs") from None
+        raise PydanticCustomError(
+            "lone_surrogate", "it is not valid Unicode text: it holds a lone surrogate (e.g. the escape \\ud800 "
+            "without its pair); send text as UTF-8, with surrogate escapes only in pairs",
+        ) from None
     return text
 
 
@@ -142,8 +143,10 @@ class ChatCompletionRequest(BaseModel):
     def _served(cls, model: str) -> str:
         served = cls.served_model
         if served is not None and model != served:
-            raise PydanticCustomError("model_not_found", "The model `{model}` does not exist; this server serves "
-                                      "`{served}`.", {"model": model, "served": served})
+            raise PydanticCustomError(
+                "model_not_found", "The model `{model}` does not exist; this server serves `{served}`.",
+                {"model": model, "served": served},
+            )
         return model
 
     @property
@@ -208,8 +211,9 @@ def refusal(errors: Sequence[Any]) -> OpenAIError:
     unknown = sorted(str(error["loc"][0]) for error in errors if error["type"] == "extra_forbidden"
                      and len(error["loc"]) == 1)
     if unknown:
-        return OpenAIError(400, f"Unsupported request fields {unknown}; bitune-serve supports "
-                           f"{sorted(SUPPORTED_FIELDS)}.", unknown[0])
+        return OpenAIError(
+            400, f"Unsupported request fields {unknown}; bitune-serve supports {sorted(SUPPORTED_FIELDS)}.", unknown[0]
+        )
     error = errors[0]
     if error["type"] == "json_invalid":  # FastAPI's: the body is not JSON
         return OpenAIError(400, f"The request body is not valid JSON: {error.get('ctx', {}).get('error', '')}.")
