@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import os
 import textwrap
 import warnings
@@ -34,6 +33,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from peft_bitune import BituneMixingCallback, BituneModel
 from peft_bitune.constants import IGNORE_INDEX
+from peft_bitune.persistence.config_files import read_json_object
 from peft_bitune.persistence.weights_files import safetensors_problem
 from peft_bitune.training.callbacks import BituneMixingWarmupCallback, gathered_mixing_scalars
 from peft_bitune.training.optimizers import bitune_parameter_groups
@@ -352,11 +352,8 @@ def incomplete_checkpoint_problem(checkpoint: str) -> str | None:
     if not os.path.isfile(state):
         return f"it has no {TRAINER_STATE_NAME}, which the Trainer writes last"
     try:
-        with open(state, encoding="utf-8") as file:
-            is_object = isinstance(json.load(file), dict)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        is_object = False
-    if not is_object:
+        read_json_object(state)
+    except ValueError:
         return f"its {TRAINER_STATE_NAME} is not a complete JSON object"
     weights = os.path.join(checkpoint, SAFETENSORS_WEIGHTS_NAME)
     problem = safetensors_problem(weights) if os.path.lexists(weights) else None

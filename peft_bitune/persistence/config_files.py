@@ -86,7 +86,13 @@ class BituneConfigFileMixin:
     def from_json_file(cls, path_json_file: str, **kwargs: Any) -> dict[str, Any]:
         """The fields in `path_json_file`; a file that is not a JSON object is refused with its path (PEFT's reading
         would fail with a bare `JSONDecodeError` or `TypeError`)."""
-        _check_json_object(path_json_file)
+        try:
+            read_json_object(path_json_file)
+        except ValueError as error:
+            raise ValueError(
+                f"Cannot read the Bitune adapter config '{path_json_file}': {error}. Save (or download) the adapter "
+                "again, or restore the file."
+            ) from None
         return super().from_json_file(path_json_file, **kwargs)
 
     def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
@@ -97,19 +103,22 @@ class BituneConfigFileMixin:
         warn_if_two_weights_files(str(save_directory))
 
 
-def _check_json_object(path: str) -> None:
-    again = "Save (or download) the adapter again, or restore the file."
+def read_json_object(path: str) -> dict[str, Any]:
+    """The JSON object in the file at `path` (an adapter_config.json, a trainer_state.json); a `ValueError` says why
+    the file holds none, and an `OSError` why it cannot be read."""
     try:
         with open(path, encoding="utf-8") as file:
             data = json.load(file)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        what = "is empty" if os.path.getsize(path) == 0 else f"is not valid JSON ({error})"
-        raise ValueError(f"Cannot read the Bitune adapter config '{path}': the file {what}. {again}") from None
+        raise ValueError(
+            "the file is empty" if os.path.getsize(path) == 0 else f"the file is not valid JSON ({error})"
+        ) from None
     if not isinstance(data, dict):
         raise ValueError(
-            f"Cannot read the Bitune adapter config '{path}': it must hold a JSON object of config fields "
-            f"({{\"peft_type\": \"BITUNE\", ...}}), but holds `{json.dumps(data)[:40]}`. {again}"
+            f"it must hold a JSON object of config fields ({{\"peft_type\": \"BITUNE\", ...}}), but holds "
+            f"`{json.dumps(data)[:40]}`"
         )
+    return data
 
 
 def _unknown_fields(config_cls: type, data: dict[str, Any]) -> list[str]:

@@ -188,17 +188,15 @@ def config_file_problem(adapter: str) -> str | None:
 
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
+    from ..persistence.config_files import read_json_object
+
     path = os.path.join(adapter, "adapter_config.json")
     if not os.path.isfile(path):
         return None
     try:
-        with open(path, encoding="utf-8") as file:
-            data = json.load(file)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        return f"{path} is {'empty' if os.path.getsize(path) == 0 else f'not valid JSON ({error})'}"
-    if not isinstance(data, dict):
-        return (f"{path} must hold a JSON object of config fields ({{\"peft_type\": \"BITUNE\", ...}}), but holds "
-                f"`{json.dumps(data)[:40]}`")
+        data = read_json_object(path)
+    except (OSError, ValueError) as error:
+        return f"{path}: {error}"
     if "peft_type" not in data:
         return (f"{path} has no `peft_type`, so it does not say which adapter method it holds (a Bitune adapter's "
                 "is \"BITUNE\")")
