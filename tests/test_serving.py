@@ -248,6 +248,21 @@ def test_a_client_that_leaves_a_stream_frees_its_work(serving_adapter, serving_t
         assert get_json(url, "/health")["kept_conversations"] == 1
 
 
+def test_a_stopped_server_leaves_no_thread_behind(serving_adapter, serving_tokenizer, serving_template):
+    """Requests are prepared on the server's thread pool, whose threads end with the server (a pool of the app's own,
+    never shut down, left its threads behind each server)."""
+    engine = ChatEngine(load_model(serving_adapter), serving_tokenizer, serving_template, cache_budget_bytes=0)
+    before = set(threading.enumerate())
+    with serving_in_thread(build_app(engine, NAME)) as url:
+        client_of(url).chat.completions.create(model=NAME, messages=[user(STORIES[0])], max_tokens=1, temperature=0)
+        assert set(threading.enumerate()) - before  # the server's thread, and the one that prepared the request
+    deadline = time.monotonic() + 60  # they end as the server stops; the rest is a loaded machine's slack
+    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engine.close()
+    assert not left, left
+
+
 def test_seeded_sampling_repeats_and_max_completion_tokens_bounds_the_answer(client):
     messages = [user(STORIES[5])]
     settings = dict(model=NAME, messages=messages, max_completion_tokens=5, temperature=1.5, top_p=0.95, seed=11)

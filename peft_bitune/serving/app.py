@@ -4,9 +4,9 @@ Requests are checked here (`validation.py`) and answered with OpenAI's own respo
 `ChatCompletion`, and `ChatCompletionChunk` as server-sent events when streaming) or OpenAI's JSON error objects. The
 server guards itself (`ServerSettings`, as vLLM's server does and a little more): API keys on every `/v1` call, JSON
 bodies only and of bounded size (so that no web page a user visits can drive it with a plain form post), no CORS
-headers and no `/docs` unless asked for. Rendering and tokenizing run on threads of their own (several, so that one
-request's preparation never holds back another's), and the model on the engine's worker thread, so the event loop
-stays free for other clients (and `/health`) while a long request is prepared or answered.
+headers and no `/docs` unless asked for. Rendering and tokenizing run on FastAPI's thread pool (several at once, so
+that one request's preparation never holds back another's), and the model on the engine's worker thread, so the event
+loop stays free for other clients (and `/health`) while a long request is prepared or answered.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the chat endpoint's body type, made per server, at runtime.
@@ -17,10 +17,10 @@ import secrets
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
@@ -42,7 +42,7 @@ from .streaming import StopTextFilter, TextStream
 from .validation import ChatCompletionRequest, OpenAIError, check_request, refusal
 
 _WORK_DONE = object()  # queued after the worker finished a streaming request, whatever happened
-PREPARATION_THREADS = 4  # requests checked, rendered and tokenized at once
+PREPARATION_THREADS = 4  # requests checked, rendered and tokenized at once (on FastAPI's thread pool)
 # Below this temperature a request is answered greedily, as at 0 (vLLM's threshold too): sampling is greedy there but
 # for near-ties, and dividing the logits by a temperature below about 1e-38 overflows float32, which sampling refuses.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -55,12 +55,12 @@ class ChatCompletions:
         self.engine = engine
         self.model_name = model_name
         self.cancelled_streams = 0  # streams whose client left before the answer was complete
-        self._preparing = ThreadPoolExecutor(max_workers=PREPARATION_THREADS, thread_name_prefix="bitune-prepare")
+        self._preparing = asyncio.Semaphore(PREPARATION_THREADS)
 
     async def handle_request(self, body: ChatCompletionRequest, request_id: str,
                              api_key: int | None = None) -> JSONResponse | EventSourceResponse:
-        loop = asyncio.get_running_loop()
-        request = await loop.run_in_executor(self._preparing, self.chat_request, body, api_key)
+        async with self._preparing:
+            request = await run_in_threadpool(self.chat_request, body, api_key)
         if body.stream:
             return self._stream(request, request_id)
         try:
@@ -177,9 +177,6 @@ class ChatCompletions:
 
         return EventSourceResponse(events())
 
-    def close(self) -> None:
-        self._preparing.shutdown(wait=False, cancel_futures=True)
-
 
 def build_app(engine: ChatEngine, model_name: str, settings: ServerSettings | None = None) -> FastAPI:
     """The FastAPI application: `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`."""
@@ -188,8 +185,6 @@ def build_app(engine: ChatEngine, model_name: str, settings: ServerSettings | No
     created = int(time.time())
     app = FastAPI(title="bitune-serve", docs_url="/docs" if settings.docs else None, redoc_url=None,
                   openapi_url="/openapi.json" if settings.docs else None)
-    app.state.handler = handler
-    app.state.settings = settings
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
