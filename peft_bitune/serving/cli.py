@@ -168,8 +168,6 @@ def read_adapter_config(adapter: str) -> Any:
     which PEFT fails with a `TypeError` or `KeyError`), is refused in one line that says what is wrong with it."""
     from peft import PeftConfig
 
-    import peft_bitune  # noqa: F401  (registers the BITUNE adapter type; without it: KeyError: 'BITUNE')
-
     try:
         return PeftConfig.from_pretrained(adapter)
     except (OSError, ValueError, TypeError, KeyError) as error:
