@@ -74,6 +74,30 @@ def test_families_whose_eager_attention_reads_is_causal_are_accepted_with_it(nam
         assert sees_later_tokens(model, padded), name
 
 
+@pytest.mark.parametrize("name", sorted(eager_only_configs()))
+def test_switching_such_a_family_to_sdpa_after_the_adapter_is_made_is_refused_at_the_next_prompt_pass(name):
+    """Accepted with eager attention, then `set_attn_implementation("sdpa")`: its bidirectional pass would run causally
+    (silently, before), so the next forward, prefill or generate refuses it before any compute; eager again runs."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(eager_only_configs()[name], attn_implementation="eager").eval()
+    model = make_bitune(base).eval()
+    batch, _ = prompts(padded=False)
+    labels = batch["input_ids"].masked_fill(torch.arange(PROMPT) < PROMPT - 2, -100)
+    base.set_attn_implementation("sdpa")
+    refused = r"cannot run .* with `attn_implementation='sdpa'`.*bidirectional prompt pass causally"
+    calls = {"forward": lambda: model(**batch, labels=labels), "prefill": lambda: model.prefill(**batch),
+             "generate": lambda: model.generate(**batch, max_new_tokens=2)}
+    for call in calls.values():
+        with pytest.raises(ValueError, match=refused):
+            call()
+    base.set_attn_implementation("eager")
+    assert sees_later_tokens(model, padded=False), name
+    # A causal second pass asks nothing of the attention: it runs with sdpa.
+    causal = make_bitune(AutoModelForCausalLM.from_config(eager_only_configs()[name]), second_pass_attention="causal")
+    causal.get_base_model().set_attn_implementation("sdpa")
+    causal.eval().prefill(**batch)
+
+
 def runs_causally_whatever_is_asked(base) -> bool:
     """transformers' own decoder, asked for `is_causal=False`: an earlier position's keys (last layer) do not change
     when a later token does. What the refusal rests on: once a release fixes a family, this fails for it."""

@@ -466,12 +466,20 @@ def check_bidirectional_attention(model: Any) -> None:
             f"causal whatever is asked, so Bitune would {how}. Use another model family, or set "
             "`second_pass_attention='causal'` in the BituneConfig."
         )
+    check_attention_reads_is_causal(model)
+
+
+def check_attention_reads_is_causal(model: Any) -> None:
+    """Refuse a family whose decoder layers hand `is_causal=False` to eager attention only (Nemotron, StableLM) with
+    another attention. Checked when the adapter is made and again by each bidirectional pass: `set_attn_implementation`
+    may switch it afterwards."""
     implementation = compat.attention_implementation(model)
-    if getattr(config, "model_type", None) in _IS_CAUSAL_REACHES_EAGER_ONLY and implementation != "eager":
+    if getattr(text_config(model), "model_type", None) in _IS_CAUSAL_REACHES_EAGER_ONLY and implementation != "eager":
         raise ValueError(
-            f"Bitune cannot tune {name} with `attn_implementation='{implementation}'`: its decoder layers do not "
-            f"hand `is_causal=False` on to that attention, so Bitune would {how}. Load it with "
-            "`attn_implementation='eager'`, or set `second_pass_attention='causal'` in the BituneConfig."
+            f"Bitune cannot run {type(model).__name__} with `attn_implementation='{implementation}'`: its decoder "
+            "layers do not hand `is_causal=False` on to that attention, so Bitune would run its bidirectional prompt "
+            "pass causally. Load it (or `set_attn_implementation`) with 'eager', or set "
+            "`second_pass_attention='causal'` in the BituneConfig."
         )
 
 

@@ -43,6 +43,7 @@ from .caches import (
     recomputing_pass_cache,
     recorded_key_values,
 )
+from .checks import check_attention_reads_is_causal
 from .layer_inputs import ChainedRead, HeldKeyValues, PromptMix, PromptPassChain, capturing_layer_calls
 from .layout import Chunk, ConversationLayout, Turn
 from .mixing import BituneKVMixer, at_least_float32
@@ -221,6 +222,8 @@ class BitunePasses:
     ) -> Any:
         """The decoder over `inputs` with weight set `weight_set`; the bidirectional weights read with `attention`."""
         is_causal = weight_set == CAUSAL or attention == CAUSAL
+        if not is_causal:
+            check_attention_reads_is_causal(self.model)
         decoder = decoder_of(self.model)
         output = None
         inputs = masks_for_pass(inputs, self.model, is_causal)
