@@ -283,7 +283,8 @@ def test_readme_keeps_the_two_setup_commands():
     assert "pip install torch==2.13.0 && pip install -e" in readme and "python examples/quickstart.py" in readme
     assert "bash .ci/run" in readme
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
-    assert re.search(r'"\$python" -m pytest -q( &&)?\n', ci)  # the whole suite, in the newest job
+    assert re.search(r'"\$python" -m pytest -q "\$\{PARALLEL\[@\]\}" &&\n', ci)  # the whole suite, in the newest job
+    assert "PARALLEL=(-n auto --maxprocesses 4)" in ci and "pytest -q -n auto --maxprocesses 4" in readme
     assert "lower_bound" in ci and "OLDEST_SUBSET" in ci  # the oldest declared versions, a subset
 
 
