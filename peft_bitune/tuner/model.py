@@ -63,7 +63,7 @@ from .mixing import BituneKVMixer
 from .packing import check_packing_supported
 from .passes import BitunePasses, answer_loss
 from .quantization import check_quantized_base, prepare_quantized_layers
-from .routing import LayerRouter
+from .routing import LayerRouter, one_call_at_a_time
 from .sharding import check_sharding
 
 
@@ -392,6 +392,7 @@ class BituneModel(BaseTuner):
             yield
 
     # ------------------------------------------------------------------ training forward
+    @one_call_at_a_time
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -513,6 +514,7 @@ class BituneModel(BaseTuner):
         generation.refuse_continuous_batching)
 
     @torch.no_grad()
+    @one_call_at_a_time
     def prefill(
         self,
         input_ids: torch.LongTensor,
@@ -553,6 +555,7 @@ class BituneModel(BaseTuner):
             cache.remember_conversation(prompts.input_ids[:, :-1], prompts.attention_mask[:, :-1])
             return cache
 
+    @one_call_at_a_time
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """
         Bitune generation. Every argument of transformers' `generate` works as there.

@@ -7,10 +7,16 @@ after its pass has ended, so the recomputation is routed to the weights of the p
 
 The modules all this touches on every pass are found once per model (`ModuleIndex`): walking the whole module tree
 several times per step costs more than the routing itself on deep models.
+
+The routing is the model's own state, shared by every thread, so a model runs one call at a time
+(`one_call_at_a_time`).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -25,6 +31,23 @@ from .. import compat
 from ..utils.base_model import decoder_of, num_layers
 from .prompt_pass_end import may_end_early, modules_left_early
 from .sharding import LayerPath
+
+# One lock per tuner (kept out of the tuner itself, which `copy.deepcopy` must be able to copy).
+_CALL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def one_call_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A method of the tuner that routes its layers (`forward`, `prefill`, `generate`) waits for any other thread's
+    call to end: each pass switches the layers' weight set, which would switch it under the other thread's pass too
+    (PEFT's LoRA switches nothing on a call, so there several threads may share a model). A thread's own nested calls
+    (`generate` calling `forward`) go through."""
+
+    @functools.wraps(method)
+    def locked(tuner: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with _CALL_LOCKS.setdefault(tuner, threading.RLock()):
+            return method(tuner, *args, **kwargs)
+
+    return locked
 
 
 @dataclass(frozen=True)
