@@ -1,13 +1,14 @@
 """A saved Bitune adapter as the vLLM plugin reads it: both LoRA weight sets per base module, and the mixing scalars.
 
-Read from the adapter folder's `adapter_config.json` and `adapter_model.safetensors` (the checkpoint keys are those of
-`peft_bitune.persistence.checkpoint_keys`). Only what the plugin computes exactly is accepted: plain LoRA weight sets
-on the attention and MLP projections; anything else is refused here, before an engine starts, naming the cause.
+Read from the adapter folder's `adapter_config.json`, through PEFT's config loading as `PeftModel.from_pretrained`
+reads it (so the defaults of what the file leaves out are PEFT's and `BituneConfig`'s own), and
+`adapter_model.safetensors` (the checkpoint keys are those of `peft_bitune.persistence.checkpoint_keys`). Only what the
+plugin computes exactly is accepted: plain LoRA weight sets on the attention and MLP projections; anything else is
+refused here, before an engine starts, naming the cause.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from peft_bitune.constants import BIDIRECTIONAL, CAUSAL, MIXERS_ATTRIBUTE, WEIGHT_SETS, WeightSet
+from peft_bitune import BituneConfig
+from peft_bitune.constants import BIDIRECTIONAL, CAUSAL, MIXERS_ATTRIBUTE, WEIGHT_SETS, WeightSet, peft_type_name
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -59,25 +61,25 @@ class BituneAdapter:
     multi_turn: str
 
 
-def read_config(folder: str) -> dict:
-    """The adapter's `adapter_config.json`, refused if it is not a Bitune adapter."""
-    path = os.path.join(folder, CONFIG_FILE)
-    if not os.path.isfile(path):
+def read_config(folder: str) -> BituneConfig:
+    """The adapter's config, refused if it is not a Bitune adapter."""
+    from peft import PeftConfig
+
+    if not os.path.isfile(os.path.join(folder, CONFIG_FILE)):
         raise FileNotFoundError(f"No {CONFIG_FILE} in {folder!r}: pass the folder a Bitune adapter was saved to.")
-    with open(path) as file:
-        config = json.load(file)
-    if config.get("peft_type") != "BITUNE":
+    config = PeftConfig.from_pretrained(folder)  # the config class of the file's `peft_type`
+    if not isinstance(config, BituneConfig):
         raise ValueError(
-            f"{folder!r} holds a {config.get('peft_type')} adapter, not a Bitune one: vLLM serves plain LoRA adapters "
-            "itself (`enable_lora=True`); this plugin serves Bitune adapters."
+            f"{folder!r} holds a {peft_type_name(config.peft_type)} adapter, not a Bitune one: vLLM serves plain LoRA "
+            "adapters itself (`enable_lora=True`); this plugin serves Bitune adapters."
         )
     return config
 
 
-def check_inner_method(config: dict) -> None:
+def check_inner_method(config: BituneConfig) -> None:
     """Refuse, naming it, an inner PEFT method or LoRA option the plugin does not compute."""
-    inner = config.get("adapter_config") or {}
-    method = inner.get("peft_type", "LORA")
+    inner = config.adapter_config
+    method = peft_type_name(inner.peft_type)
     if method != "LORA":
         raise ValueError(
             f"This Bitune adapter's weight sets are {method}; the vLLM plugin computes LoRA weight sets only. Serve "
@@ -92,14 +94,14 @@ def check_inner_method(config: dict) -> None:
         "target_parameters": "`target_parameters`",
     }
     for name, what in options.items():
-        if inner.get(name):
+        if getattr(inner, name, None):
             raise ValueError(
                 f"This Bitune adapter uses {what}, which the vLLM plugin does not compute: serve it with "
                 "`bitune-serve` (peft_bitune.serving), or train the adapter without it."
             )
-    if inner.get("bias", "none") != "none":
+    if inner.bias != "none":
         raise ValueError(
-            f"This Bitune adapter trains base-layer biases (`bias={inner['bias']!r}`), which the vLLM plugin does not "
+            f"This Bitune adapter trains base-layer biases (`bias={inner.bias!r}`), which the vLLM plugin does not "
             "load: serve it with `bitune-serve`, or train with `bias='none'`."
         )
 
@@ -110,9 +112,8 @@ def read_adapter(folder: str) -> BituneAdapter:
 
     config = read_config(folder)
     check_inner_method(config)
-    inner = config.get("adapter_config") or {}
-    rank, alpha = inner.get("r", 8), inner.get("lora_alpha", 8)
-    scaling = alpha / math.sqrt(rank) if inner.get("use_rslora") else alpha / rank
+    inner = config.adapter_config
+    scaling = inner.lora_alpha / (math.sqrt(inner.r) if inner.use_rslora else inner.r)
     weights_path = os.path.join(folder, WEIGHTS_FILE)
     if not os.path.isfile(weights_path):
         raise FileNotFoundError(f"No {WEIGHTS_FILE} in {folder!r}: save the adapter with `save_pretrained`.")
@@ -139,7 +140,7 @@ def read_adapter(folder: str) -> BituneAdapter:
             )
         parts.setdefault(module, {}).setdefault(match["set"], {})[match["part"]] = tensor.float()
     lora: dict[str, dict[WeightSet, LoraPair]] = {}
-    shared = bool(config.get("shared_weights"))
+    shared = config.shared_weights
     for module, sets in parts.items():
         if shared:  # one weight set (the causal one) serves both prompt passes
             sets[BIDIRECTIONAL] = sets[CAUSAL]
@@ -147,12 +148,12 @@ def read_adapter(folder: str) -> BituneAdapter:
         if set(lora[module]) != set(WEIGHT_SETS):
             raise ValueError(f"{weights_path} lacks a weight set of {module!r}: it is not a complete Bitune adapter.")
     return BituneAdapter(
-        base_model=config.get("base_model_name_or_path"),
+        base_model=config.base_model_name_or_path,
         lora=lora,
         key_weights=state[mixer_keys["keys"]].float(),
         value_weights=state[mixer_keys["values"]].float(),
-        mix_scale=float(config.get("mix_scale", 0.01)),
-        mixed_layers=config.get("mixed_layers"),
-        second_pass_attention=config.get("second_pass_attention", "bidirectional"),
-        multi_turn=config.get("multi_turn", "alternating"),
+        mix_scale=float(config.mix_scale),
+        mixed_layers=config.mixed_layers,
+        second_pass_attention=config.second_pass_attention,
+        multi_turn=config.multi_turn,
     )

@@ -44,7 +44,7 @@ def load_llm(adapter: str, **engine_kwargs_: Any) -> BituneLLM:
 
     folder = adapter_folder(adapter)
     config = read_config(folder)
-    base = engine_kwargs_.pop("model", None) or config.get("base_model_name_or_path")
+    base = engine_kwargs_.pop("model", None) or config.base_model_name_or_path
     if not base:
         raise ValueError(f"The adapter config in {folder!r} names no base model: pass `model=` (the base model).")
     base_config = AutoConfig.from_pretrained(base)
@@ -54,7 +54,7 @@ def load_llm(adapter: str, **engine_kwargs_: Any) -> BituneLLM:
                            engine_kwargs_)
     check_inner_method(config)
     register()
-    return BituneLLM(model=base, bitune_multi_turn=config.get("multi_turn", "alternating"), **kwargs)
+    return BituneLLM(model=base, bitune_multi_turn=config.multi_turn, **kwargs)
 
 
 def server_arguments(adapter: str, chat_template: str | None = None, **engine_kwargs_: Any) -> list[str]:
@@ -73,7 +73,7 @@ def server_arguments(adapter: str, chat_template: str | None = None, **engine_kw
     folder = adapter_folder(adapter)
     config = read_config(folder)
     check_inner_method(config)
-    base = engine_kwargs_.pop("model", None) or config.get("base_model_name_or_path")
+    base = engine_kwargs_.pop("model", None) or config.base_model_name_or_path
     base_config = AutoConfig.from_pretrained(base)
     kwargs = engine_kwargs(folder, bitune_architecture(base_config.architectures),
                            getattr(base_config.get_text_config(), "max_position_embeddings", None), engine_kwargs_)
@@ -84,7 +84,7 @@ def server_arguments(adapter: str, chat_template: str | None = None, **engine_kw
             template = file.read()
     elif not kwargs.get("skip_tokenizer_init"):
         template = getattr(AutoTokenizer.from_pretrained(base), "chat_template", None)
-    if template is not None and config.get("multi_turn", "alternating") == "alternating":
+    if template is not None and config.multi_turn == "alternating":
         template = guarded_chat_template(template)
         digest = hashlib.sha256(template.encode()).hexdigest()[:16]
         path = os.path.join(tempfile.gettempdir(), f"bitune-{digest}.jinja")
