@@ -12,7 +12,8 @@ Read in this order:
 5. `passes.py`: the two prompt passes and the answer pass over those batches.
 6. `caches.py`, `mixing.py` and `layer_inputs.py`: the caches the passes read and record, the learned mix of the two
    prompt caches, and what a training step's prompt passes leave for the answer pass to mix where it reads it.
-7. `routing.py`: which weight set the layers run with, pass by pass, also under gradient checkpointing.
+7. `routing.py`: which weight set the layers run with, pass by pass, also under gradient checkpointing; one call at a
+   time per model.
 8. `generation.py`: the prompt read twice before transformers' own `generate` decodes, and a conversation continued.
 
 The rest adapts the method to its surroundings: `prompt_pass_end.py` (a prompt pass ends once its last layer has
