@@ -4,6 +4,7 @@ exactly as the padded run of the same examples, step by step."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import datasets
@@ -111,6 +112,16 @@ def test_trls_own_sft_trainer_trains_a_bitune_adapter_on_packed_rows(tmp_path, t
     assert bool(torch.isfinite(step_losses(trainer)).all())
     after = helpers.trainable_state(trainer.model)
     assert any(not torch.equal(before[name], after[name]) for name in before)
+
+
+def test_rows_packed_together_are_not_counted_as_dropped(tmp_path, trl_model_dir):
+    """16 rows packed into one are 16 examples kept: before, the trainer warned that 15 rows were dropped by
+    truncation (it compared the packed dataset's rows with the rows given)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = helpers.make_trainer(trl_model_dir, tmp_path, packing=True)
+    assert len(trainer.train_dataset) < 16 and sum(map(len, trainer.train_dataset["seq_lengths"])) == 16
+    assert not [warning for warning in caught if "were dropped" in str(warning.message)]
 
 
 def test_a_split_piece_that_begins_inside_an_answer_is_refused_before_training(tmp_path, trl_model_dir):

@@ -220,18 +220,30 @@ def check_rows_kept(
         )
     for name, given in rows_given.items():
         dataset = prepared.get(name)
-        if not isinstance(dataset, Dataset) or len(dataset) == given:
+        if not isinstance(dataset, Dataset):
             continue
-        if len(dataset) == 0:
+        kept = examples_in(dataset)
+        if kept >= given:  # more: `"bfd_split"` packing cut examples into pieces
+            continue
+        if kept == 0:
             raise ValueError(
                 f"Every row of `{name}` ({given}) was dropped while TRL prepared it: {cause}. Raise `max_length` "
                 "(`--max_length`) above the prompt lengths, or shorten the prompts."
             )
         warnings.warn(
-            f"{given - len(dataset)} of the {given} rows of `{name}` were dropped while TRL prepared it: {cause}. "
+            f"{given - kept} of the {given} rows of `{name}` were dropped while TRL prepared it: {cause}. "
             "Raise `max_length` (`--max_length`) to train on them.",
             stacklevel=3,
         )
+
+
+def examples_in(dataset: Dataset) -> int:
+    """How many examples a prepared dataset holds: one per row, or in a packed one (TRL's `seq_lengths` column) the
+    examples packed into its rows, which are fewer rows than examples."""
+    if "seq_lengths" not in dataset.column_names:
+        return len(dataset)
+    batches = dataset.select_columns(["seq_lengths"]).with_format("arrow").iter(batch_size=10_000)
+    return sum(int(pc.sum(pc.list_value_length(batch.column("seq_lengths"))).as_py() or 0) for batch in batches)
 
 
 def check_prepared_labels(dataset: Any, name: str) -> None:
