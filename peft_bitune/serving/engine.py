@@ -37,10 +37,10 @@ from .settings import BatchLimits
 from .streaming import RowStreams, StopStrings, answer_text, cut_at_stop
 from .worker import ModelWorker
 
-# One lock per Bitune model, held by each batch from its first read to its end, whichever engine and thread runs it:
-# which weight set the adapter's layers run with, torch's random state and the kept caches are shared, and a batch
-# hands a row's result over from inside `generate` (whose exit routes the layers back), so that a caller may go on
-# to `run` while the worker still finishes that batch.
+# One lock per Bitune model, held by each batch from its first read to its end, whichever engine and thread runs it.
+# The model's own calls already take turns (`routing.one_call_at_a_time`), but a batch is several of them (each row's
+# read, then `generate` after seeding torch's random state) over shared kept caches, and it hands a row's result over
+# from inside `generate`, so that a caller may go on to `run` while the worker still finishes that batch.
 _MODEL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
